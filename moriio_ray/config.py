@@ -1,0 +1,397 @@
+"""Every config of the pipeline, as frozen msgspec Structs.
+
+A bad value raises ConfigError naming the field, the value and what is allowed, e.g.
+``transfer.mori.backend: 'tcpx' is not one of rdma, xgmi``. ``load_config(path)`` reads a Ray Serve
+config file (the pipeline config is its application's ``args:``) or a bare pipeline config.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, TypeVar
+
+import msgspec
+import yaml
+
+from moriio_ray.errors import ConfigError
+
+T = TypeVar("T")
+
+_STRUCT = {"frozen": True, "forbid_unknown_fields": True, "kw_only": True}
+
+
+def _choice(obj: Any, name: str, allowed: tuple[str, ...], *, upper: bool = False) -> None:
+    """Normalise a case-insensitive enum field in place, or raise ConfigError."""
+    value = getattr(obj, name)
+    norm = str(value).upper() if upper else str(value).lower()
+    if norm not in allowed:
+        raise ConfigError(f"{name}: {value!r} is not one of {', '.join(allowed)}")
+    msgspec.structs.force_setattr(obj, name, norm)
+
+
+def _at_least(obj: Any, name: str, low: float, *, allow: tuple[float, ...] = ()) -> None:
+    value = getattr(obj, name)
+    if value in allow:
+        return
+    if value < low:
+        extra = "".join(f" or exactly {a}" for a in allow)
+        raise ConfigError(f"{name}: {value!r} must be >= {low}{extra}")
+
+
+def _positive(obj: Any, name: str) -> None:
+    value = getattr(obj, name)
+    if not value > 0:
+        raise ConfigError(f"{name}: {value!r} must be > 0")
+
+
+def _fraction(obj: Any, name: str) -> None:
+    value = getattr(obj, name)
+    if not 0.0 < value <= 1.0:
+        raise ConfigError(f"{name}: {value!r} must be in (0, 1]")
+
+
+# ----------------------------------------------------------------------------------------------
+# transfer
+
+
+class TcpConfig(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
+    """The tcp backend's server and client."""
+
+    port: int = 0  # 0: an ephemeral port, published through the descriptor (no port arithmetic)
+    bind_host: str = "0.0.0.0"
+    connect_timeout_s: float = 5.0
+    staging_bytes: int = 64 << 20  # pinned host buffer through which GPU tensors are staged
+    socket_buffer_bytes: int = 4 << 20
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"port: {self.port!r} must be in 0..65535")
+        _positive(self, "connect_timeout_s")
+        _at_least(self, "staging_bytes", 1 << 20)
+        _at_least(self, "socket_buffer_bytes", 1 << 16)
+
+
+class MoriConfig(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
+    """MoRI-IO, with the knobs that vLLM's MoRIIO connector exposes."""
+
+    backend: str = "rdma"  # rdma | xgmi, case-insensitive as in MoRIIO
+    qp_per_transfer: int = 1
+    post_batch_size: int = -1  # -1: MoRI's default
+    num_workers: int = 1
+    poll_cq_mode: str = "polling"  # polling | event
+    enable_notification: bool = False  # off: notification OOM errors poisoned statuses in vLLM
+    xgmi_num_streams: int = 64
+    xgmi_num_events: int = 64
+
+    def __post_init__(self) -> None:
+        _choice(self, "backend", ("rdma", "xgmi"))
+        _at_least(self, "qp_per_transfer", 1)
+        _at_least(self, "post_batch_size", 1, allow=(-1,))
+        _at_least(self, "num_workers", 1)
+        _choice(self, "poll_cq_mode", ("polling", "event"))
+        _at_least(self, "xgmi_num_streams", 1)
+        _at_least(self, "xgmi_num_events", 1)
+
+
+class CudaIpcConfig(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
+    """The cuda_ipc backend (NVIDIA GPUs of one host)."""
+
+    # Below this many bytes per transfer a batch of copy-engine memcpys beats the kernel launch.
+    small_transfer_bytes: int = 0
+    max_ctas: int = 0  # 0: choose from the SM count
+
+    def __post_init__(self) -> None:
+        _at_least(self, "small_transfer_bytes", 0)
+        _at_least(self, "max_ctas", 0)
+
+
+BACKENDS = ("tcp", "shm", "cuda_ipc", "mori")
+
+
+class TransferConfig(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
+    """How KV moves between engines."""
+
+    backend: str = "shm"  # tcp | shm | cuda_ipc | mori
+    mode: str = "read"  # read (D pulls) | write (P pushes layer by layer)
+    timeout_s: float = 10.0  # one transfer's deadline
+    kv_lease_s: float = 30.0  # how long P pins a prompt's blocks for D
+    lease_grace_s: float = 5.0  # P frees an unreleased lease only after lease + grace
+    read_margin_s: float = 0.5  # D never starts or continues a read past lease deadline - margin
+    on_transfer_failure: str = "recompute"  # recompute | fail
+    tcp: TcpConfig = msgspec.field(default_factory=TcpConfig)
+    mori: MoriConfig = msgspec.field(default_factory=MoriConfig)
+    cuda_ipc: CudaIpcConfig = msgspec.field(default_factory=CudaIpcConfig)
+
+    def __post_init__(self) -> None:
+        _choice(self, "backend", BACKENDS)
+        _choice(self, "mode", ("read", "write"))
+        _positive(self, "timeout_s")
+        _positive(self, "kv_lease_s")
+        _at_least(self, "lease_grace_s", 0.0)
+        _at_least(self, "read_margin_s", 0.0)
+        _choice(self, "on_transfer_failure", ("recompute", "fail"))
+        if self.read_margin_s >= self.kv_lease_s:
+            raise ConfigError(
+                f"read_margin_s: {self.read_margin_s!r} must be below kv_lease_s ({self.kv_lease_s})"
+            )
+
+
+# ----------------------------------------------------------------------------------------------
+# model and engine
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+class ModelConfig(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
+    """Which weights the engines run: a named preset (seeded random weights) or a local HF directory."""
+
+    preset: str | None = "tiny"  # tiny | llama-1b | qwen3-0.6b | llama-8b
+    path: str | None = None  # a local HF-format directory; never downloaded
+    dtype: str = "auto"  # auto: bfloat16 on GPU, float32 on CPU
+    seed: int = 0
+    max_model_len: int | None = None  # None: the model's own
+    served_name: str | None = None  # the name clients pass as `model`; default from preset/path
+
+    def __post_init__(self) -> None:
+        if (self.preset is None) == (self.path is None):
+            raise ConfigError("preset/path: set exactly one of model.preset and model.path")
+        if self.preset is not None:
+            _choice(self, "preset", PRESETS)
+        _choice(self, "dtype", DTYPES)
+        if self.max_model_len is not None:
+            _at_least(self, "max_model_len", 2)
+
+    @property
+    def name(self) -> str:
+        if self.served_name:
+            return self.served_name
+        if self.preset is not None:
+            return self.preset
+        return Path(str(self.path)).name
+
+
+PRESETS = ("tiny", "llama-1b", "qwen3-0.6b", "llama-8b")
+LAYOUTS = ("layer_major", "block_major")
+
+
+class EngineConfig(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
+    """Paged cache and continuous batching."""
+
+    device: str = "auto"  # auto | cpu | cuda
+    block_size: int = 16
+    num_blocks: int | None = None  # None: 512 on CPU, gpu_memory_fraction of free memory on GPU
+    gpu_memory_fraction: float = 0.5
+    layout: str = "layer_major"  # layer_major | block_major
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 4096
+
+    def __post_init__(self) -> None:
+        _choice(self, "device", ("auto", "cpu", "cuda"))
+        _at_least(self, "block_size", 1)
+        if self.num_blocks is not None:
+            _at_least(self, "num_blocks", 1)
+        _fraction(self, "gpu_memory_fraction")
+        _choice(self, "layout", LAYOUTS)
+        _at_least(self, "max_num_seqs", 1)
+        _at_least(self, "max_num_batched_tokens", 1)
+
+
+# ----------------------------------------------------------------------------------------------
+# placement and runtime
+
+STRATEGIES = ("PACK", "SPREAD", "STRICT_SPREAD", "STRICT_PACK")
+_LABEL = re.compile(r"^[A-Za-z0-9_.\-/]+$")
+
+
+class RoleConfig(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
+    """One role's pool: how many engines and what each needs."""
+
+    replicas: int = 1
+    num_gpus: float = 0.0  # GPUs per engine; 0 runs the engine on the CPU
+    num_cpus: float = 1.0
+    resources: dict[str, float] = msgspec.field(default_factory=dict)  # custom Ray resources
+    labels: dict[str, str] = msgspec.field(default_factory=dict)  # node label selector
+
+    def __post_init__(self) -> None:
+        _at_least(self, "replicas", 0)
+        _at_least(self, "num_gpus", 0.0)
+        _at_least(self, "num_cpus", 0.0)
+        for key, amount in self.resources.items():
+            if amount < 0:
+                raise ConfigError(f"resources.{key}: {amount!r} must be >= 0")
+        for key in self.labels:
+            if not _LABEL.match(key):
+                raise ConfigError(f"labels: {key!r} is not a valid label key")
+
+
+class PoolConfig(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
+    """The worker pools. Either prefill + decode (disaggregated) or colocated replicas."""
+
+    prefill: RoleConfig = msgspec.field(default_factory=RoleConfig)
+    decode: RoleConfig = msgspec.field(default_factory=RoleConfig)
+    colocated: RoleConfig = msgspec.field(default_factory=lambda: RoleConfig(replicas=0))
+    placement_strategy: str = "PACK"  # PACK | SPREAD | STRICT_SPREAD | STRICT_PACK, across engines
+
+    def __post_init__(self) -> None:
+        _choice(self, "placement_strategy", STRATEGIES, upper=True)
+        disagg = self.prefill.replicas > 0 or self.decode.replicas > 0
+        if self.colocated.replicas > 0 and disagg:
+            raise ConfigError(
+                "colocated.replicas: a pool is either colocated or prefill/decode; "
+                "set prefill.replicas and decode.replicas to 0 to run colocated"
+            )
+        if self.colocated.replicas == 0 and (self.prefill.replicas < 1 or self.decode.replicas < 1):
+            raise ConfigError(
+                "prefill.replicas/decode.replicas: a disaggregated pool needs at least one of each "
+                f"(got {self.prefill.replicas} and {self.decode.replicas})"
+            )
+
+
+class RuntimeConfig(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
+    """Coordinator and worker behaviour."""
+
+    health_check_period_s: float = 0.5  # a dead worker is noticed within about 4 periods
+    remote_timeout_s: float = 60.0  # deadline on every remote await that has no tighter one
+    prefill_retries: int = 1  # retry a prefill on another P when its P dies
+    replace_dead_workers: bool = True
+    worker_start_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        _positive(self, "health_check_period_s")
+        _positive(self, "remote_timeout_s")
+        _at_least(self, "prefill_retries", 0)
+        _positive(self, "worker_start_timeout_s")
+
+
+class ServeConfig(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
+    """The OpenAI-compatible HTTP front end."""
+
+    max_ongoing_requests: int = 64  # beyond this, 429 (never an unbounded queue)
+    request_timeout_s: float = 300.0
+    default_max_tokens: int = 64
+    num_replicas: int = 1
+
+    def __post_init__(self) -> None:
+        _at_least(self, "max_ongoing_requests", 1)
+        _positive(self, "request_timeout_s")
+        _at_least(self, "default_max_tokens", 1)
+        _at_least(self, "num_replicas", 1)
+
+
+class PipelineConfig(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
+    """The whole pipeline: what a Serve config's ``args:`` holds."""
+
+    name: str = "default"  # the coordinator's name in namespace moriio_ray
+    model: ModelConfig = msgspec.field(default_factory=ModelConfig)
+    engine: EngineConfig = msgspec.field(default_factory=EngineConfig)
+    transfer: TransferConfig = msgspec.field(default_factory=TransferConfig)
+    pool: PoolConfig = msgspec.field(default_factory=PoolConfig)
+    runtime: RuntimeConfig = msgspec.field(default_factory=RuntimeConfig)
+    serve: ServeConfig = msgspec.field(default_factory=ServeConfig)
+
+    def __post_init__(self) -> None:
+        if not _LABEL.match(self.name):
+            raise ConfigError(f"name: {self.name!r} may hold only letters, digits and _.-/")
+
+    @property
+    def mode(self) -> str:
+        """``colocated`` for a colocated pool, else the transfer mode (``read`` or ``write``)."""
+        return "colocated" if self.pool.colocated.replicas > 0 else self.transfer.mode
+
+
+# ----------------------------------------------------------------------------------------------
+# parsing
+
+_AT = re.compile(r"^(?P<msg>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)
+
+
+def _path_of(raw: str) -> str:
+    # msgspec writes `$.transfer.mori` or `$.pool.prefill.resources[...]`
+    return raw.lstrip(".").replace("[", ".").replace("]", "").replace("'", "").replace('"', "")
+
+
+def convert(data: Any, type_: type[T], *, where: str = "") -> T:
+    """Build a config Struct from plain data, turning every failure into a ConfigError with its path."""
+    try:
+        return msgspec.convert(data, type_, strict=False)
+    except msgspec.ValidationError as exc:
+        match = _AT.match(str(exc))
+        assert match is not None
+        msg, path = match.group("msg"), _path_of(match.group("path") or "")
+        unknown = re.match(r"Object contains unknown field `(?P<f>[^`]+)`", msg)
+        if unknown:
+            field = ".".join(p for p in (path, unknown.group("f")) if p)
+            allowed = _fields_at(type_, path)
+            raise ConfigError(f"{where}{field}: unknown field; allowed: {', '.join(allowed)}") from None
+        if ": " in msg and not msg.startswith(("Expected", "Object")):
+            # a ConfigError from __post_init__: 'field: message'; prefix the struct's path
+            field, _, rest = msg.partition(": ")
+            full = ".".join(p for p in (path, field) if p)
+            raise ConfigError(f"{where}{full}: {rest}") from None
+        raise ConfigError(f"{where}{path or '<root>'}: {msg}") from None
+
+
+def _fields_at(type_: Any, path: str) -> list[str]:
+    """The field names of the Struct found at a dotted path below type_ (for error messages)."""
+    current = type_
+    for part in [p for p in path.split(".") if p]:
+        fields = {f.name: f.type for f in msgspec.structs.fields(current)} if _is_struct(current) else {}
+        nxt = fields.get(part)
+        if nxt is None:
+            return []
+        current = _unwrap(nxt)
+    if not _is_struct(current):
+        return []
+    return [f.name for f in msgspec.structs.fields(current)]
+
+
+def _is_struct(t: Any) -> bool:
+    return isinstance(t, type) and issubclass(t, msgspec.Struct)
+
+
+def _unwrap(t: Any) -> Any:
+    for arg in getattr(t, "__args__", ()) or ():
+        if _is_struct(arg):
+            return arg
+    return t
+
+
+def parse_pipeline_config(data: Any) -> PipelineConfig:
+    """A PipelineConfig from a dict (a Serve app's ``args:`` or a bare config)."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"<root>: expected a mapping, got {type(data).__name__}")
+    return convert(data, PipelineConfig)
+
+
+def _serve_args(doc: dict[str, Any], app_name: str | None, path: Path) -> dict[str, Any]:
+    apps = doc.get("applications")
+    if not isinstance(apps, list) or not apps:
+        raise ConfigError(f"applications: {path} has no applications")
+    if app_name is not None:
+        chosen = [a for a in apps if isinstance(a, dict) and a.get("name") == app_name]
+        if not chosen:
+            names = [str(a.get("name")) for a in apps if isinstance(a, dict)]
+            raise ConfigError(f"applications: no application {app_name!r}; have {', '.join(names)}")
+    else:
+        chosen = [a for a in apps if isinstance(a, dict) and "args" in a] or apps
+    args = chosen[0].get("args") if isinstance(chosen[0], dict) else None
+    if args is not None and not isinstance(args, dict):
+        raise ConfigError(f"applications[0].args: expected a mapping, got {type(args).__name__}")
+    return args or {}
+
+
+def load_config(path: str | Path, *, app_name: str | None = None) -> PipelineConfig:
+    """Read a Ray Serve config file (the pipeline config is an application's ``args:``) or a bare one."""
+    path = Path(path)
+    try:
+        doc = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"<file>: {path} does not exist") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"<file>: {path} is not valid YAML: {exc}") from None
+    if isinstance(doc, dict) and "applications" in doc:
+        return parse_pipeline_config(_serve_args(doc, app_name, path))
+    return parse_pipeline_config(doc)

@@ -1,0 +1,39 @@
+"""The only reader of os.environ. Process-level knobs only; transfer and engine settings live in config."""
+
+from __future__ import annotations
+
+import os
+import secrets
+
+_PROCESS_TOKEN = secrets.token_bytes(32)
+
+
+def log_level() -> str:
+    """MORIIO_RAY_LOG_LEVEL (default INFO)."""
+    return os.environ.get("MORIIO_RAY_LOG_LEVEL", "INFO").upper()
+
+
+def cluster_token() -> bytes:
+    """The shared token that tcp servers require.
+
+    MORIIO_RAY_CLUSTER_TOKEN (hex) when set; otherwise one random token per process, so that
+    agents in one process (tests, benchmarks) agree. Across processes the coordinator hands the
+    token to every worker explicitly.
+    """
+    value = os.environ.get("MORIIO_RAY_CLUSTER_TOKEN", "")
+    return bytes.fromhex(value) if value else _PROCESS_TOKEN
+
+
+def cuda_visible_devices() -> str | None:
+    """CUDA_VISIBLE_DEVICES as the process sees it (None when unset)."""
+    return os.environ.get("CUDA_VISIBLE_DEVICES")
+
+
+def set_env(name: str, value: str) -> None:
+    """Set a variable for this process and its children (used before CUDA initialises)."""
+    os.environ[name] = value
+
+
+def get(name: str, default: str = "") -> str:
+    """Read any variable (kept here so that env access stays in one module)."""
+    return os.environ.get(name, default)

@@ -1,0 +1,379 @@
+"""The transfer-agent contract that every backend fills.
+
+The shape follows ``mori.io.IOEngine``: allocate and register memory, publish an ``EngineDesc``,
+connect to peers by descriptor, then move many segments one-sidedly with ``read``/``write`` that
+return a ``Transfer`` handle at once. Offsets and sizes are 1-D int64 numpy arrays, in bytes.
+"""
+
+from __future__ import annotations
+
+import abc
+import threading
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from moriio_ray.errors import (
+    ConfigError,
+    IncompatiblePeer,
+    PeerLost,
+    SegmentOutOfBounds,
+    StaleDescriptor,
+    TransferError,
+)
+from moriio_ray.transfer.desc import (
+    SCHEMA_VERSION,
+    EngineDesc,
+    MemoryDesc,
+    decode_engine_desc,
+    decode_memory_desc,
+    encode_desc,
+)
+from moriio_ray.transfer.handle import DelayedTransfer, FutureTransfer, Transfer
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "DelayedTransfer",
+    "EngineDesc",
+    "FutureTransfer",
+    "MemoryDesc",
+    "Transfer",
+    "TransferAgent",
+    "as_segments",
+    "check_bounds",
+    "decode_engine_desc",
+    "decode_memory_desc",
+    "encode_desc",
+]
+
+# ----------------------------------------------------------------------------------------------
+# Segment checks
+
+
+def as_segments(
+    local_offsets: Any, remote_offsets: Any, sizes: Any
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Validate and return the three arrays as contiguous 1-D int64 numpy arrays."""
+    arrays = []
+    for name, value in (
+        ("local_offsets", local_offsets),
+        ("remote_offsets", remote_offsets),
+        ("sizes", sizes),
+    ):
+        arr = np.ascontiguousarray(np.asarray(value))
+        if arr.ndim != 1:
+            raise ConfigError(f"{name}: expected a 1-D array, got shape {arr.shape}")
+        if arr.size and arr.dtype.kind not in "iu":
+            raise ConfigError(f"{name}: expected integers, got dtype {arr.dtype}")
+        arrays.append(arr.astype(np.int64, copy=False))
+    lo, ro, sz = arrays
+    if not lo.size == ro.size == sz.size:
+        raise ConfigError(
+            f"sizes: local_offsets, remote_offsets and sizes differ in length "
+            f"({lo.size}, {ro.size}, {sz.size})"
+        )
+    return lo, ro, sz
+
+
+def check_bounds(offsets: np.ndarray, sizes: np.ndarray, region_bytes: int, side: str, what: str) -> None:
+    """Raise SegmentOutOfBounds naming the first segment outside ``[0, region_bytes)``."""
+    if offsets.size == 0:
+        return
+    bad = (offsets < 0) | (sizes <= 0) | (offsets + sizes > region_bytes)
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise SegmentOutOfBounds(
+            f"segment {i}: {side} offset {int(offsets[i])} + size {int(sizes[i])} is outside "
+            f"{what} ({region_bytes} bytes)"
+        )
+
+
+# ----------------------------------------------------------------------------------------------
+# The agent
+
+
+class TransferAgent(abc.ABC):
+    """One engine's transfer agent.
+
+    Contract:
+    - ``allocate`` returns memory this backend can export; ``register`` turns a contiguous tensor
+      into a ``MemoryDesc`` that peers use to address it.
+    - ``connect(desc)`` is idempotent; it refuses another backend or schema, and a descriptor from
+      an older epoch than one already connected for that key (``StaleDescriptor``).
+    - ``read``/``write`` never block on the data: they check bounds on this side, issue the whole
+      batch and return a ``Transfer``. A backend with a server checks bounds there as well.
+    - ``disconnect(key)`` drops the peer and fails its in-flight transfers with ``PeerLost``.
+    - ``close`` releases every resource (sockets, shared memory, IPC handles).
+    """
+
+    name: ClassVar[str] = ""
+    supports_read: ClassVar[bool] = True
+    supports_write: ClassVar[bool] = True
+    same_host_only: ClassVar[bool] = False
+    memory_kinds: ClassVar[frozenset[str]] = frozenset({"cpu"})
+
+    def __init__(self, config: Any, key: str, *, epoch: int = 1, token: bytes | None = None) -> None:
+        from moriio_ray import env
+
+        self.config = config  # a TransferConfig
+        self.key = key
+        self.epoch = epoch
+        self.token = token if token is not None else env.cluster_token()
+        self._lock = threading.RLock()
+        self._regions: dict[int, torch.Tensor] = {}
+        self._mems: dict[int, MemoryDesc] = {}
+        self._next_mem_id = 1
+        self._peers: dict[str, EngineDesc] = {}
+        self._delay_s = 0.0
+        self._closed = False
+
+    # -- memory ---------------------------------------------------------------------------------
+
+    def allocate(
+        self, shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device
+    ) -> torch.Tensor:
+        """Memory this backend can export. The default is plain (pinned when possible) memory."""
+        dev = torch.device(device)
+        self._check_device(dev)
+        if dev.type == "cpu":
+            return torch.zeros(shape, dtype=dtype)
+        return torch.zeros(shape, dtype=dtype, device=dev)
+
+    def register(self, tensor: torch.Tensor) -> MemoryDesc:
+        """Register a contiguous tensor; returns the descriptor peers use to reach it."""
+        if not tensor.is_contiguous():
+            raise ConfigError("tensor: only contiguous tensors can be registered")
+        self._check_device(tensor.device)
+        with self._lock:
+            mem_id = self._next_mem_id
+            self._next_mem_id += 1
+            num_bytes = tensor.numel() * tensor.element_size()
+            backend_data = self._register(mem_id, tensor)
+            desc = MemoryDesc(
+                engine_key=self.key,
+                epoch=self.epoch,
+                mem_id=mem_id,
+                num_bytes=num_bytes,
+                device=str(tensor.device),
+                backend_data=backend_data,
+            )
+            self._regions[mem_id] = tensor
+            self._mems[mem_id] = desc
+            return desc
+
+    def deregister(self, mem: MemoryDesc) -> None:
+        with self._lock:
+            if self._regions.pop(mem.mem_id, None) is not None:
+                self._mems.pop(mem.mem_id, None)
+                self._deregister(mem.mem_id)
+
+    def local_tensor(self, mem: MemoryDesc) -> torch.Tensor:
+        """The tensor behind one of this agent's own descriptors."""
+        if mem.engine_key != self.key or mem.epoch != self.epoch:
+            raise ConfigError(
+                f"local_mem: descriptor of {mem.engine_key!r} epoch {mem.epoch} is not this "
+                f"agent's ({self.key!r} epoch {self.epoch})"
+            )
+        tensor = self._regions.get(mem.mem_id)
+        if tensor is None:
+            raise ConfigError(f"local_mem: region {mem.mem_id} is not registered (or was deregistered)")
+        return tensor
+
+    # -- peers ----------------------------------------------------------------------------------
+
+    def engine_desc(self) -> EngineDesc:
+        return EngineDesc(
+            key=self.key,
+            backend=self.name,
+            host=self._host(),
+            pid=self._pid(),
+            epoch=self.epoch,
+            node_id=self._node_id(),
+            backend_data=self._engine_backend_data(),
+        )
+
+    def connect(self, desc: EngineDesc) -> None:
+        """Connect to a peer (idempotent). A newer epoch replaces the old one and fails its transfers."""
+        if desc.schema_version != SCHEMA_VERSION:
+            raise IncompatiblePeer(
+                f"peer {desc.key!r} speaks descriptor schema {desc.schema_version}, this agent "
+                f"{SCHEMA_VERSION}; run the same moriio-ray version on both"
+            )
+        if desc.backend != self.name:
+            raise IncompatiblePeer(
+                f"peer {desc.key!r} uses backend {desc.backend!r}, this agent {self.name!r}; "
+                "set the same transfer.backend on every engine"
+            )
+        if self.same_host_only and desc.host != self._host():
+            raise IncompatiblePeer(
+                f"peer {desc.key!r} is on host {desc.host}, and backend {self.name!r} reaches only "
+                f"this host ({self._host()}); use tcp or mori across hosts"
+            )
+        with self._lock:
+            known = self._peers.get(desc.key)
+            if known is not None:
+                if desc.epoch < known.epoch:
+                    raise StaleDescriptor(
+                        f"peer {desc.key!r}: descriptor epoch {desc.epoch} is older than the "
+                        f"connected epoch {known.epoch}"
+                    )
+                if desc.epoch == known.epoch and desc == known:
+                    return
+                self._disconnect(known, PeerLost(f"peer {desc.key!r} was replaced by epoch {desc.epoch}"))
+            self._connect(desc)
+            self._peers[desc.key] = desc
+
+    def disconnect(self, key: str) -> None:
+        """Drop a peer; its in-flight transfers fail with PeerLost."""
+        with self._lock:
+            desc = self._peers.pop(key, None)
+            if desc is not None:
+                self._disconnect(desc, PeerLost(f"peer {key!r} (epoch {desc.epoch}) was disconnected"))
+
+    def peers(self) -> dict[str, EngineDesc]:
+        with self._lock:
+            return dict(self._peers)
+
+    # -- transfers ------------------------------------------------------------------------------
+
+    def read(
+        self,
+        local_mem: MemoryDesc,
+        remote_mem: MemoryDesc,
+        local_offsets: Any,
+        remote_offsets: Any,
+        sizes: Any,
+    ) -> Transfer:
+        """Pull ``remote[remote_offsets[i]:+sizes[i]]`` into ``local[local_offsets[i]:...]`` for all i."""
+        if not self.supports_read:
+            raise ConfigError(f"backend: {self.name!r} does not support read; use mode write")
+        return self._issue("read", local_mem, remote_mem, local_offsets, remote_offsets, sizes)
+
+    def write(
+        self,
+        local_mem: MemoryDesc,
+        remote_mem: MemoryDesc,
+        local_offsets: Any,
+        remote_offsets: Any,
+        sizes: Any,
+    ) -> Transfer:
+        """Push ``local[local_offsets[i]:+sizes[i]]`` into ``remote[remote_offsets[i]:...]`` for all i."""
+        if not self.supports_write:
+            raise ConfigError(f"backend: {self.name!r} does not support write; use mode read")
+        return self._issue("write", local_mem, remote_mem, local_offsets, remote_offsets, sizes)
+
+    def _issue(
+        self,
+        op: str,
+        local_mem: MemoryDesc,
+        remote_mem: MemoryDesc,
+        local_offsets: Any,
+        remote_offsets: Any,
+        sizes: Any,
+    ) -> Transfer:
+        if self._closed:
+            raise TransferError(f"agent {self.key!r} is closed")
+        lo, ro, sz = as_segments(local_offsets, remote_offsets, sizes)
+        local = self.local_tensor(local_mem)
+        peer = self._peer_for(remote_mem)
+        check_bounds(lo, sz, local_mem.num_bytes, "local", f"local region {local_mem.mem_id} of {self.key!r}")
+        check_bounds(
+            ro, sz, remote_mem.num_bytes, "remote", f"region {remote_mem.mem_id} of {remote_mem.engine_key!r}"
+        )
+        transfer = self._transfer(op, local, local_mem, peer, remote_mem, lo, ro, sz)
+        return DelayedTransfer(transfer, self._delay_s) if self._delay_s > 0 else transfer
+
+    def _peer_for(self, remote_mem: MemoryDesc) -> EngineDesc:
+        with self._lock:
+            peer = self._peers.get(remote_mem.engine_key)
+        if peer is None:
+            raise PeerLost(f"peer {remote_mem.engine_key!r} is not connected (or was disconnected)")
+        if remote_mem.epoch != peer.epoch:
+            raise StaleDescriptor(
+                f"region {remote_mem.mem_id} of {remote_mem.engine_key!r} comes from epoch "
+                f"{remote_mem.epoch}, the connected peer is epoch {peer.epoch}"
+            )
+        return peer
+
+    def inject_delay(self, delay_s: float) -> None:
+        """Test hook: every later transfer reports completion only ``delay_s`` after it was issued."""
+        self._delay_s = delay_s
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for key in list(self._peers):
+                self.disconnect(key)
+            for mem_id in list(self._regions):
+                self._regions.pop(mem_id)
+                self._mems.pop(mem_id, None)
+                self._deregister(mem_id)
+            self._close()
+
+    def __enter__(self) -> TransferAgent:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- what backends fill -------------------------------------------------------------------------
+
+    def _check_device(self, device: torch.device) -> None:
+        if device.type not in self.memory_kinds:
+            raise ConfigError(
+                f"device: backend {self.name!r} handles {', '.join(sorted(self.memory_kinds))} memory, "
+                f"not {device.type}"
+            )
+
+    def _host(self) -> str:
+        from moriio_ray.transfer.netinfo import node_ip
+
+        return node_ip()
+
+    def _pid(self) -> int:
+        import os
+
+        return os.getpid()
+
+    def _node_id(self) -> str:
+        from moriio_ray.transfer.netinfo import node_id
+
+        return node_id()
+
+    def _engine_backend_data(self) -> bytes:
+        return b""
+
+    def _register(self, mem_id: int, tensor: torch.Tensor) -> bytes:
+        """Export a region; returns the backend bytes stored in its MemoryDesc."""
+        return b""
+
+    def _deregister(self, mem_id: int) -> None:
+        """Release what ``_register`` exported."""
+
+    def _connect(self, desc: EngineDesc) -> None:
+        """Open what is needed to reach a peer (sockets, mappings, imported handles)."""
+
+    def _disconnect(self, desc: EngineDesc, reason: PeerLost) -> None:
+        """Drop a peer: close its connections and fail its in-flight transfers with ``reason``."""
+
+    def _close(self) -> None:
+        """Release backend resources."""
+
+    @abc.abstractmethod
+    def _transfer(
+        self,
+        op: str,
+        local: torch.Tensor,
+        local_mem: MemoryDesc,
+        peer: EngineDesc,
+        remote_mem: MemoryDesc,
+        local_offsets: np.ndarray,
+        remote_offsets: np.ndarray,
+        sizes: np.ndarray,
+    ) -> Transfer:
+        """Issue one batched read (``op == 'read'``) or write; bounds are already checked here."""

@@ -1,0 +1,108 @@
+"""Transfer handles: what ``read``/``write`` return at once, before the data has moved."""
+
+from __future__ import annotations
+
+import abc
+import threading
+import time
+
+from moriio_ray.errors import TransferTimeout
+
+
+class Transfer(abc.ABC):
+    """A transfer in flight. ``wait`` raises TransferTimeout, TransferError or PeerLost."""
+
+    num_bytes: int
+    num_segments: int
+    peer_key: str
+
+    @abc.abstractmethod
+    def done(self) -> bool:
+        """True once the transfer has finished, well or badly (``wait`` then returns or raises at once)."""
+
+    @abc.abstractmethod
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Block until finished. Raises TransferTimeout after ``timeout_s``; the transfer goes on."""
+
+    @property
+    def bytes_moved(self) -> int:
+        """Bytes moved so far; ``num_bytes`` once finished well."""
+        return self.num_bytes if self.done() and self.error() is None else 0
+
+    def error(self) -> BaseException | None:
+        """The failure, once done; None while running or after success."""
+        return None
+
+
+class FutureTransfer(Transfer):
+    """A transfer completed by some other thread through ``set_done``/``set_error``."""
+
+    def __init__(self, num_bytes: int, num_segments: int, peer_key: str) -> None:
+        self.num_bytes = num_bytes
+        self.num_segments = num_segments
+        self.peer_key = peer_key
+        self.started_s = time.perf_counter()
+        self.finished_s: float | None = None
+        self._event = threading.Event()
+        self._error: BaseException | None = None
+
+    def set_done(self) -> None:
+        if not self._event.is_set():
+            self.finished_s = time.perf_counter()
+            self._event.set()
+
+    def set_error(self, error: BaseException) -> None:
+        if not self._event.is_set():
+            self._error = error
+            self.finished_s = time.perf_counter()
+            self._event.set()
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def error(self) -> BaseException | None:
+        return self._error if self._event.is_set() else None
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        if not self._event.wait(timeout_s):
+            raise TransferTimeout(
+                f"transfer of {self.num_bytes} bytes in {self.num_segments} segments with "
+                f"{self.peer_key!r} did not finish within {timeout_s} s"
+            )
+        if self._error is not None:
+            raise self._error
+
+    @property
+    def elapsed_s(self) -> float:
+        end = self.finished_s if self.finished_s is not None else time.perf_counter()
+        return end - self.started_s
+
+
+class DelayedTransfer(Transfer):
+    """Test hook: a transfer that reports completion only ``delay_s`` after it was issued."""
+
+    def __init__(self, inner: Transfer, delay_s: float) -> None:
+        self.inner = inner
+        self.num_bytes = inner.num_bytes
+        self.num_segments = inner.num_segments
+        self.peer_key = inner.peer_key
+        self.ready_at_s = time.monotonic() + delay_s
+
+    def done(self) -> bool:
+        return time.monotonic() >= self.ready_at_s and self.inner.done()
+
+    def error(self) -> BaseException | None:
+        return self.inner.error() if self.done() else None
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        start = time.monotonic()
+        remaining = self.ready_at_s - start
+        if timeout_s is not None and remaining > timeout_s:
+            time.sleep(max(timeout_s, 0.0))
+            raise TransferTimeout(
+                f"transfer with {self.peer_key!r} did not finish within {timeout_s} s (delayed)"
+            )
+        if remaining > 0:
+            time.sleep(remaining)
+        left = None if timeout_s is None else max(0.0, timeout_s - (time.monotonic() - start))
+        self.inner.wait(left)
