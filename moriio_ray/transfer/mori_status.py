@@ -1,0 +1,154 @@
+"""MoRI transfer statuses: waiting on them with a deadline, and mapping their codes to our errors.
+
+A MoRI ``TransferStatus`` is written by MoRI's C++ threads through a raw pointer until it is
+terminal (``Succeeded()`` or ``Failed()``), so a ``MoriTransfer`` keeps its statuses, and whatever
+else the call handed to C++, referenced until then; the agent keeps a failed-over transfer alive
+the same way after its caller has let go of it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from types import ModuleType
+from typing import Any
+
+from moriio_ray.errors import PeerLost, TransferError, TransferTimeout
+from moriio_ray.transfer.handle import Transfer
+
+# Waits up to timeout_s for every status to be terminal; returns early when they are.
+Waiter = Callable[[Sequence[Any], float], None]
+
+# Longest single native wait, so that a disconnect (PeerLost) reaches a blocked waiter quickly.
+_WAIT_SLICE_S = 0.05
+_POLL_INTERVAL_S = 0.001
+
+_HINTS = {
+    "ERR_INVALID_ARGS": "MoRI refused the segments (offsets or sizes outside a region); a bug in the plan",
+    "ERR_RDMA_OP": "an RDMA operation failed; check the NICs and their queue depths, or lower "
+    "transfer.mori.qp_per_transfer or the number of concurrent requests",
+    "ERR_BAD_STATE": "the MoRI engine is in a bad state; restart this engine",
+    "ERR_GPU_OP": "a GPU (HIP) copy failed; check the ROCm driver and peer access between the GPUs",
+}
+
+
+def code_name(code: Any) -> str:
+    """``ERR_RDMA_OP`` for ``StatusCode.ERR_RDMA_OP`` (a pybind11 enum or any enum)."""
+    name = getattr(code, "name", None)
+    if isinstance(name, str) and name:
+        return name
+    return str(code).rsplit(".", 1)[-1]
+
+
+def is_terminal(status: Any) -> bool:
+    return bool(status.Succeeded() or status.Failed())
+
+
+def status_error(status: Any, peer_key: str) -> TransferError:
+    """Our error for a failed status: PeerLost when MoRI no longer knows the peer, else TransferError."""
+    name = code_name(status.Code())
+    message = status.Message() or "no message"
+    if name == "ERR_NOT_FOUND":
+        return PeerLost(
+            f"MoRI transfer with {peer_key!r} failed with {name}: {message}; the peer's engine or region "
+            "is no longer registered (it restarted or deregistered); reconnect with its current descriptor"
+        )
+    hint = _HINTS.get(name, "see MoRI's log (mori.io.set_log_level) for details")
+    return TransferError(f"MoRI transfer with {peer_key!r} failed with {name}: {message}; {hint}")
+
+
+def _timeout_ms(timeout_s: float) -> int:
+    # MoRI reads -1 as "forever"; never hand it 0 or a negative slice by rounding.
+    return max(1, int(timeout_s * 1000))
+
+
+def choose_waiter(engine: Any, mori_io: ModuleType) -> Waiter:
+    """The best wait this ``mori.io`` offers: ``wait_all``, else ``WaitFor``, else polling."""
+    wait_all = getattr(engine, "wait_all", None)
+    if callable(wait_all):
+
+        def wait_with_wait_all(statuses: Sequence[Any], timeout_s: float) -> None:
+            wait_all(list(statuses), _timeout_ms(timeout_s))
+
+        return wait_with_wait_all
+    if hasattr(mori_io.TransferStatus, "WaitFor"):
+
+        def wait_with_wait_for(statuses: Sequence[Any], timeout_s: float) -> None:
+            deadline = time.monotonic() + timeout_s
+            for status in statuses:
+                left_s = deadline - time.monotonic()
+                if left_s <= 0:
+                    return
+                if not is_terminal(status):
+                    status.WaitFor(_timeout_ms(left_s))
+
+        return wait_with_wait_for
+    return poll_statuses
+
+
+def poll_statuses(statuses: Sequence[Any], timeout_s: float) -> None:
+    """For a ``mori.io`` without a timed wait: check every millisecond, as vLLM's connector does."""
+    deadline = time.monotonic() + timeout_s
+    while not all(is_terminal(s) for s in statuses) and time.monotonic() < deadline:
+        time.sleep(_POLL_INTERVAL_S)
+
+
+class MoriTransfer(Transfer):
+    """One batched MoRI read or write. Holds its statuses and the call's buffers until terminal."""
+
+    def __init__(
+        self,
+        statuses: list[Any],
+        keepalive: tuple[Any, ...],
+        *,
+        num_bytes: int,
+        num_segments: int,
+        peer_key: str,
+        waiter: Waiter,
+    ) -> None:
+        self.statuses = statuses
+        self.keepalive = keepalive  # the session and the offset lists passed to C++
+        self.num_bytes = num_bytes
+        self.num_segments = num_segments
+        self.peer_key = peer_key
+        self._waiter = waiter
+        self._lock = threading.Lock()
+        self._forced: TransferError | None = None
+
+    def fail(self, error: TransferError) -> None:
+        """Fail the transfer from our side (its peer was disconnected); MoRI may still complete it."""
+        with self._lock:
+            if self._forced is None and not self.statuses_terminal():
+                self._forced = error
+
+    def statuses_terminal(self) -> bool:
+        return all(is_terminal(s) for s in self.statuses)
+
+    def done(self) -> bool:
+        return self._forced is not None or self.statuses_terminal()
+
+    def error(self) -> BaseException | None:
+        if self._forced is not None:
+            return self._forced
+        if not self.statuses_terminal():
+            return None
+        for status in self.statuses:
+            if status.Failed():
+                return status_error(status, self.peer_key)
+        return None
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while self._forced is None and not self.statuses_terminal():
+            left_s = _WAIT_SLICE_S if deadline is None else deadline - time.monotonic()
+            if left_s <= 0:
+                raise TransferTimeout(
+                    f"MoRI transfer of {self.num_bytes} bytes in {self.num_segments} segments with "
+                    f"{self.peer_key!r} did not finish within {timeout_s} s; it goes on in the "
+                    "background; raise transfer.timeout_s or check the link to the peer"
+                )
+            self._waiter(self.statuses, min(left_s, _WAIT_SLICE_S))
+        error = self.error()
+        if error is not None:
+            raise error

@@ -1,0 +1,411 @@
+"""A FAKE ``mori`` package (``mori`` and ``mori.io``) for the unit tests of the mori backend.
+
+Why a fake: there is no AMD GPU or RDMA NIC here, and the real ``amd-mori`` wheels are built for
+CPython 3.10 on ROCm only, so the real module cannot even be imported. This fake stands in at the
+import boundary (``sys.modules``) and mimics the names and call signatures of the real API (ROCm/mori
+``python/mori/io/engine.py`` and ``src/pybind/pybind_io.cpp``) closely enough to catch mistakes:
+
+- configs take the real keyword names and defaults (``RdmaBackendConfig(qp_per_transfer=1,
+  post_batch_size=-1, num_worker_threads=-1, poll_cq_mode=POLLING, enable_notification=True)``);
+- offsets and sizes must be sequences of Python ints, as a pybind11 ``std::vector<size_t>`` needs;
+- ``EngineDesc``/``MemoryDesc`` only travel as ``pack()`` bytes and come back through ``unpack``;
+- statuses are held by weak reference, like the raw pointers of the C++ side: completing a status
+  that Python already freed is recorded in ``Fabric.dangling`` (a use-after-free on real hardware).
+
+It moves bytes for real between registered CPU tensors, so round trips exercise the adapter.
+Completion is either immediate or held until the test calls ``Fabric.complete``.
+Every call is recorded in ``Fabric.calls`` as ``(engine_key, method, args)``.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import itertools
+import pickle
+import sys
+import threading
+import types
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+class BackendType(enum.Enum):
+    Unknown = 0
+    XGMI = 1
+    RDMA = 2
+    TCP = 3
+
+
+class MemoryLocationType(enum.Enum):
+    Unknown = 0
+    CPU = 1
+    GPU = 2
+
+
+class StatusCode(enum.IntEnum):
+    SUCCESS = 0
+    INIT = 1
+    IN_PROGRESS = 2
+    ERR_BEGIN = 3  # the C++ enum's marker: Failed() is code > ERR_BEGIN
+    ERR_INVALID_ARGS = 4
+    ERR_NOT_FOUND = 5
+    ERR_RDMA_OP = 6
+    ERR_BAD_STATE = 7
+    ERR_GPU_OP = 8
+
+
+class PollCqMode(enum.Enum):
+    POLLING = 0
+    EVENT = 1
+
+
+class BackendConfig:
+    pass
+
+
+class RdmaBackendConfig(BackendConfig):
+    def __init__(
+        self,
+        qp_per_transfer: int = 1,
+        post_batch_size: int = -1,
+        num_worker_threads: int = -1,
+        poll_cq_mode: PollCqMode = PollCqMode.POLLING,
+        enable_notification: bool = True,
+        notif_per_qp: int = 1024,
+    ) -> None:
+        if not isinstance(poll_cq_mode, PollCqMode):
+            raise TypeError(f"poll_cq_mode must be a PollCqMode, got {poll_cq_mode!r}")
+        self.qp_per_transfer = qp_per_transfer
+        self.post_batch_size = post_batch_size
+        self.num_worker_threads = num_worker_threads
+        self.poll_cq_mode = poll_cq_mode
+        self.enable_notification = enable_notification
+        self.notif_per_qp = notif_per_qp
+
+
+class XgmiBackendConfig(BackendConfig):
+    def __init__(self, num_streams: int = 64, num_events: int = 64) -> None:
+        self.num_streams = num_streams
+        self.num_events = num_events
+
+
+class IOEngineConfig:
+    def __init__(self, host: str = "", port: int = 0) -> None:
+        self.host = host
+        self.port = port
+
+
+class TransferStatus:
+    def __init__(self) -> None:
+        self._code = StatusCode.INIT
+        self._msg = ""
+        self._cond = threading.Condition()
+
+    def Code(self) -> StatusCode:
+        return self._code
+
+    def Message(self) -> str:
+        return self._msg
+
+    def Init(self) -> bool:
+        return self._code == StatusCode.INIT
+
+    def InProgress(self) -> bool:
+        return self._code == StatusCode.IN_PROGRESS
+
+    def Succeeded(self) -> bool:
+        return self._code == StatusCode.SUCCESS
+
+    def Failed(self) -> bool:
+        return self._code > StatusCode.ERR_BEGIN
+
+    def SetCode(self, code: StatusCode) -> None:
+        with self._cond:
+            self._code = code
+            self._cond.notify_all()
+
+    def SetMessage(self, msg: str) -> None:
+        self._msg = msg
+
+    def Update(self, code: StatusCode, msg: str) -> None:
+        with self._cond:
+            if self._code > StatusCode.ERR_BEGIN:
+                return
+            self._msg = msg
+            self._code = code
+            self._cond.notify_all()
+
+    def Wait(self) -> None:
+        self.WaitFor(-1)
+
+    def WaitFor(self, timeout_ms: int = -1) -> StatusCode:
+        with self._cond:
+            self._cond.wait_for(
+                lambda: self._code not in (StatusCode.INIT, StatusCode.IN_PROGRESS),
+                None if timeout_ms < 0 else timeout_ms / 1000,
+            )
+            return self._code
+
+
+@dataclass(frozen=True)
+class EngineDesc:
+    key: str
+    hostname: str
+    host: str
+    port: int
+
+    def pack(self) -> bytes:
+        return pickle.dumps(("EngineDesc", self.key, self.hostname, self.host, self.port))
+
+    @staticmethod
+    def unpack(data: bytes) -> EngineDesc:
+        tag, *rest = pickle.loads(bytes(data))
+        if tag != "EngineDesc":
+            raise TypeError(f"not a packed EngineDesc: {tag}")
+        return EngineDesc(*rest)
+
+
+@dataclass(frozen=True)
+class MemoryDesc:
+    engine_key: str
+    id: int
+    device_id: int
+    data: int
+    size: int
+    loc: MemoryLocationType
+
+    def pack(self) -> bytes:
+        fields = (self.engine_key, self.id, self.device_id, self.data, self.size, self.loc.value)
+        return pickle.dumps(("MemoryDesc", *fields))
+
+    @staticmethod
+    def unpack(data: bytes) -> MemoryDesc:
+        tag, key, mid, dev, ptr, size, loc = pickle.loads(bytes(data))
+        if tag != "MemoryDesc":
+            raise TypeError(f"not a packed MemoryDesc: {tag}")
+        return MemoryDesc(key, mid, dev, ptr, size, MemoryLocationType(loc))
+
+
+@dataclass
+class _Pending:
+    status_ref: weakref.ref[TransferStatus]
+    move: Any  # () -> None, copies the bytes
+
+
+@dataclass
+class Fabric:
+    """Process-wide state of the fake: engines, registered tensors, pending completions."""
+
+    immediate: bool = True
+    engines: dict[str, IOEngine] = field(default_factory=dict)
+    tensors: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)
+    pending: list[_Pending] = field(default_factory=list)
+    calls: list[tuple[str, str, tuple[Any, ...]]] = field(default_factory=list)
+    dangling: int = 0  # completions of statuses that Python had already freed
+    fail_next: tuple[StatusCode, str] | None = None
+
+    def complete(self, code: StatusCode = StatusCode.SUCCESS, msg: str = "") -> int:
+        """Finish every pending transfer (moving its bytes on success); returns how many."""
+        pending, self.pending = self.pending, []
+        for item in pending:
+            self._finish(item, code, msg)
+        return len(pending)
+
+    def _finish(self, item: _Pending, code: StatusCode, msg: str) -> None:
+        status = item.status_ref()
+        if status is None:
+            self.dangling += 1
+            return
+        if code == StatusCode.SUCCESS:
+            item.move()
+        status.Update(code, msg)
+
+    def methods(self, engine_key: str, name: str) -> list[tuple[Any, ...]]:
+        return [args for key, method, args in self.calls if key == engine_key and method == name]
+
+
+FABRIC = Fabric()
+_uids = itertools.count(1)
+
+
+def _check_sizes(name: str, values: Any) -> list[int]:
+    if not isinstance(values, (list, tuple)) or not all(type(v) is int for v in values):
+        raise TypeError(f"{name}: incompatible function arguments; expected a list of int (size_t)")
+    if any(v < 0 for v in values):
+        raise TypeError(f"{name}: negative value cannot convert to size_t")
+    return list(values)
+
+
+class IOEngineSession:
+    def __init__(self, engine: IOEngine, local: MemoryDesc, remote: MemoryDesc) -> None:
+        self._engine = engine
+        self._local = local
+        self._remote = remote
+
+    def allocate_transfer_uid(self) -> int:
+        return next(_uids)
+
+    def batch_read(self, local_offsets: Any, remote_offsets: Any, sizes: Any, transfer_uid: int) -> Any:
+        return self._engine._batch("read", self._local, self._remote, local_offsets, remote_offsets, sizes)
+
+    def batch_write(self, local_offsets: Any, remote_offsets: Any, sizes: Any, transfer_uid: int) -> Any:
+        return self._engine._batch("write", self._local, self._remote, local_offsets, remote_offsets, sizes)
+
+    def alive(self) -> bool:
+        return self._remote.engine_key in self._engine._remotes
+
+
+class IOEngine:
+    def __init__(self, key: str, config: IOEngineConfig) -> None:
+        if not isinstance(config, IOEngineConfig):
+            raise TypeError("config must be an IOEngineConfig")
+        self.key = key
+        self.config = config
+        self.backends: dict[BackendType, BackendConfig] = {}
+        self._remotes: dict[str, EngineDesc] = {}
+        self._mem_ids = itertools.count(1)
+        FABRIC.engines[key] = self
+        self._record("__init__", key, config.host, config.port)
+
+    def _record(self, method: str, *args: Any) -> None:
+        FABRIC.calls.append((self.key, method, args))
+
+    def get_engine_desc(self) -> EngineDesc:
+        return EngineDesc(self.key, "fakehost", self.config.host, 40000 + len(FABRIC.engines))
+
+    def create_backend(self, type: BackendType, config: BackendConfig | None = None) -> None:
+        expected = {BackendType.RDMA: RdmaBackendConfig, BackendType.XGMI: XgmiBackendConfig}[type]
+        if not isinstance(config, expected):
+            raise TypeError(f"{type} needs a {expected.__name__}, got {config!r}")
+        self.backends[type] = config
+        self._record("create_backend", type, config)
+
+    def register_remote_engine(self, engine_desc: EngineDesc) -> None:
+        if not isinstance(engine_desc, EngineDesc):
+            raise TypeError("register_remote_engine takes an EngineDesc (unpack the bytes first)")
+        self._remotes[engine_desc.key] = engine_desc
+        self._record("register_remote_engine", engine_desc)
+
+    def deregister_remote_engine(self, engine_desc: EngineDesc) -> None:
+        self._remotes.pop(engine_desc.key, None)
+        self._record("deregister_remote_engine", engine_desc)
+
+    def register_torch_tensor(self, tensor: torch.Tensor) -> MemoryDesc:
+        if not tensor.is_contiguous():
+            raise RuntimeError("input tensor must be contiguous")
+        loc = MemoryLocationType.GPU if tensor.device.type == "cuda" else MemoryLocationType.CPU
+        device_id = -1 if tensor.device.index is None else tensor.device.index
+        num_bytes = tensor.numel() * tensor.element_size()
+        desc = MemoryDesc(self.key, next(self._mem_ids), device_id, tensor.data_ptr(), num_bytes, loc)
+        FABRIC.tensors[(self.key, desc.id)] = tensor
+        self._record("register_torch_tensor", desc)
+        return desc
+
+    def deregister_memory(self, mem_desc: MemoryDesc) -> None:
+        FABRIC.tensors.pop((self.key, mem_desc.id), None)
+        self._record("deregister_memory", mem_desc)
+
+    def allocate_transfer_uid(self) -> int:
+        return next(_uids)
+
+    def create_session(self, local_mem: MemoryDesc, remote_mem: MemoryDesc) -> IOEngineSession | None:
+        self._record("create_session", local_mem, remote_mem)
+        if not isinstance(local_mem, MemoryDesc) or not isinstance(remote_mem, MemoryDesc):
+            raise TypeError("create_session takes two MemoryDesc")
+        if remote_mem.engine_key not in self._remotes or not self.backends:
+            return None
+        return IOEngineSession(self, local_mem, remote_mem)
+
+    def _batch(
+        self, op: str, local: MemoryDesc, remote: MemoryDesc, lo: Any, ro: Any, sz: Any
+    ) -> TransferStatus:
+        lo, ro, sz = _check_sizes("local_offsets", lo), _check_sizes("remote_offsets", ro), _check_sizes("sizes", sz)
+        self._record(f"batch_{op}", local, remote, lo, ro, sz)
+        status = TransferStatus()
+        if not len(lo) == len(ro) == len(sz):
+            status.Update(StatusCode.ERR_INVALID_ARGS, "offsets and sizes differ in length")
+            return status
+        if remote.engine_key not in self._remotes or (remote.engine_key, remote.id) not in FABRIC.tensors:
+            status.Update(StatusCode.ERR_NOT_FOUND, f"remote engine or memory {remote.engine_key} not found")
+            return status
+        for off_l, off_r, size in zip(lo, ro, sz):
+            if off_l + size > local.size or off_r + size > remote.size:
+                status.Update(StatusCode.ERR_INVALID_ARGS, "segment out of range")
+                return status
+        if FABRIC.fail_next is not None:
+            code, msg = FABRIC.fail_next
+            FABRIC.fail_next = None
+            status.Update(code, msg)
+            return status
+        src_key, dst_key = ((remote, local) if op == "read" else (local, remote))
+        src_offs, dst_offs = (ro, lo) if op == "read" else (lo, ro)
+
+        def move() -> None:
+            src = FABRIC.tensors[(src_key.engine_key, src_key.id)].view(-1).view(torch.uint8)
+            dst = FABRIC.tensors[(dst_key.engine_key, dst_key.id)].view(-1).view(torch.uint8)
+            for s, d, n in zip(src_offs, dst_offs, sz):
+                dst[d : d + n].copy_(src[s : s + n])
+
+        status.SetCode(StatusCode.IN_PROGRESS)
+        item = _Pending(weakref.ref(status), move)
+        if FABRIC.immediate:
+            FABRIC._finish(item, StatusCode.SUCCESS, "")
+        else:
+            FABRIC.pending.append(item)
+        return status
+
+
+def install(monkeypatch: Any, *, immediate: bool = True) -> Fabric:
+    """Put this fake at ``sys.modules['mori']``/``['mori.io']`` (undone by monkeypatch); fresh state."""
+    global FABRIC
+    FABRIC = Fabric(immediate=immediate)
+    io = types.ModuleType("mori.io")
+    io.__doc__ = "FAKE mori.io for unit tests (see tests/unit/fake_mori.py)"
+    for name in (
+        "BackendType",
+        "MemoryLocationType",
+        "StatusCode",
+        "PollCqMode",
+        "RdmaBackendConfig",
+        "XgmiBackendConfig",
+        "IOEngineConfig",
+        "TransferStatus",
+        "EngineDesc",
+        "MemoryDesc",
+        "IOEngine",
+        "IOEngineSession",
+    ):
+        setattr(io, name, globals()[name])
+    pkg = types.ModuleType("mori")
+    pkg.__path__ = []  # a package, so that `import mori.io` resolves through sys.modules
+    pkg.io = io  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "mori", pkg)
+    monkeypatch.setitem(sys.modules, "mori.io", io)
+    return FABRIC
+
+
+@functools.cache
+def cpu_agent_class() -> type:
+    """TEST-ONLY: ``MoriAgent`` that also accepts CPU tensors, since there is no GPU here.
+
+    MoRI's RDMA backend registers host memory too (``MemoryLocationType.CPU``); the production
+    agent advertises only ``cuda`` because engines keep their KV cache on the GPU.
+    """
+    from moriio_ray.transfer.mori import MoriAgent
+
+    class CpuMoriAgent(MoriAgent):
+        memory_kinds = frozenset({"cpu", "cuda"})
+
+    return CpuMoriAgent
+
+
+def make_agent(key: str, *, epoch: int = 1, **mori_knobs: Any) -> Any:
+    """A CPU-capable MoriAgent on the fake, with ``transfer.mori`` set from ``mori_knobs``."""
+    from moriio_ray.config import MoriConfig, TransferConfig
+
+    config = TransferConfig(backend="mori", mori=MoriConfig(**mori_knobs))
+    return cpu_agent_class()(config, key, epoch=epoch)
