@@ -1,0 +1,175 @@
+"""The tcp backend's wire format and its zero-copy socket loops.
+
+Every connection starts with a hello (magic, version, cluster token); the server answers with a
+status frame that carries its epoch and key. Then any number of requests, one at a time:
+
+    request:  REQUEST header, then remote offsets and sizes as raw int64 arrays (8 * n bytes each)
+    read:     server -> STATUS (ok or error), then the segments' bytes in order
+    write:    server -> STATUS (ok or error); client -> the segments' bytes; server -> STATUS
+
+Data never passes through an intermediate bytes object: senders hand memoryviews of the source
+to ``sendmsg`` and receivers ``recvmsg_into`` memoryviews of the destination.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+from collections.abc import Callable
+
+import numpy as np
+
+from moriio_ray.errors import (
+    PeerLost,
+    SegmentOutOfBounds,
+    StaleDescriptor,
+    TokenRejected,
+    TransferError,
+)
+
+MAGIC = b"MRIO"
+VERSION = 1
+HELLO = struct.Struct("<4sHH")  # magic, version, token length; then the token
+REQUEST = struct.Struct("<BxxxIqqq")  # op, segments, mem_id, target epoch, total bytes
+STATUS = struct.Struct("<BxxxIq")  # code, message length, value (epoch in a hello reply); then message
+
+OP_READ = 1
+OP_WRITE = 2
+OPS = {"read": OP_READ, "write": OP_WRITE}
+
+OK = 0
+ERR_TOKEN = 1
+ERR_EPOCH = 2
+ERR_BOUNDS = 3
+ERR_REQUEST = 4
+ERR_CLOSING = 5
+
+_ERRORS: dict[int, type[TransferError]] = {
+    ERR_TOKEN: TokenRejected,
+    ERR_EPOCH: StaleDescriptor,
+    ERR_BOUNDS: SegmentOutOfBounds,
+    ERR_REQUEST: TransferError,
+    ERR_CLOSING: PeerLost,
+}
+
+MAX_SEGMENTS = 1 << 24  # a request past this is refused (16 Mi segments = 256 MiB of arrays)
+_BATCH_SEGMENTS = 512  # iovecs per sendmsg/recvmsg_into call (below Linux's IOV_MAX of 1024)
+_BATCH_BYTES = 8 << 20  # bytes per call, so that deadlines and hooks are checked now and then
+
+
+class ConnectionDropped(PeerLost):
+    """The peer closed the connection or reset it (EOF or ECONNRESET)."""
+
+
+def error_for(code: int, message: str) -> TransferError:
+    """The typed error a client raises for an error frame from the server."""
+    return _ERRORS.get(code, TransferError)(message)
+
+
+def status_frame(code: int, message: str = "", value: int = 0) -> bytes:
+    data = message.encode()
+    return STATUS.pack(code, len(data), value) + data
+
+
+def recv_exact(sock: socket.socket, view: memoryview) -> None:
+    """Fill ``view`` from the socket; EOF raises ConnectionDropped."""
+    got = 0
+    total = len(view)
+    while got < total:
+        n = sock.recv_into(view[got:], total - got)
+        if n == 0:
+            raise ConnectionDropped("the peer closed the connection")
+        got += n
+
+
+def recv_status(sock: socket.socket) -> tuple[int, str, int]:
+    """One status frame: (code, message, value)."""
+    head = bytearray(STATUS.size)
+    recv_exact(sock, memoryview(head))
+    code, msg_len, value = STATUS.unpack(head)
+    message = bytearray(msg_len)
+    if msg_len:
+        recv_exact(sock, memoryview(message))
+    return code, message.decode(errors="replace"), value
+
+
+def _views(
+    base: memoryview, offsets: np.ndarray, sizes: np.ndarray, start: int, stop: int
+) -> list[memoryview]:
+    return [base[o : o + s] for o, s in zip(offsets[start:stop].tolist(), sizes[start:stop].tolist())]
+
+
+def _batches(sizes: np.ndarray) -> list[tuple[int, int]]:
+    """[start, stop) segment ranges with at most _BATCH_SEGMENTS segments or about _BATCH_BYTES each."""
+    out = []
+    start, n = 0, int(sizes.size)
+    ends = np.cumsum(sizes)
+    while start < n:
+        base = int(ends[start - 1]) if start else 0
+        # the first segment whose end passes base + _BATCH_BYTES closes the batch
+        stop = int(np.searchsorted(ends, base + _BATCH_BYTES, side="left")) + 1
+        stop = min(max(stop, start + 1), start + _BATCH_SEGMENTS, n)
+        out.append((start, stop))
+        start = stop
+    return out
+
+
+Tick = Callable[[int], None]  # called with the bytes moved so far, between batches
+
+
+def send_segments(
+    sock: socket.socket, base: memoryview, offsets: np.ndarray, sizes: np.ndarray, tick: Tick | None = None
+) -> None:
+    """Send ``base[offsets[i]:+sizes[i]]`` for all i, in order, with gathered sendmsg calls."""
+    moved = 0
+    for start, stop in _batches(sizes):
+        bufs = _views(base, offsets, sizes, start, stop)
+        while bufs:
+            sent = sock.sendmsg(bufs)
+            moved += sent
+            bufs = _advance(bufs, sent)
+        if tick is not None:
+            tick(moved)
+
+
+def recv_segments(
+    sock: socket.socket, base: memoryview, offsets: np.ndarray, sizes: np.ndarray, tick: Tick | None = None
+) -> None:
+    """Receive into ``base[offsets[i]:+sizes[i]]`` for all i, in order, with scattered recvmsg_into."""
+    moved = 0
+    for start, stop in _batches(sizes):
+        bufs = _views(base, offsets, sizes, start, stop)
+        while bufs:
+            got = sock.recvmsg_into(bufs)[0] if len(bufs) > 1 else sock.recv_into(bufs[0])
+            if got == 0:
+                raise ConnectionDropped("the peer closed the connection in the middle of the data")
+            moved += got
+            bufs = _advance(bufs, got)
+        if tick is not None:
+            tick(moved)
+
+
+def _advance(bufs: list[memoryview], n: int) -> list[memoryview]:
+    """Drop the first ``n`` bytes from a list of buffers."""
+    i = 0
+    while i < len(bufs) and n >= len(bufs[i]):
+        n -= len(bufs[i])
+        i += 1
+    rest = bufs[i:]
+    if n and rest:
+        rest[0] = rest[0][n:]
+    return rest
+
+
+def send_all(sock: socket.socket, bufs: list[memoryview | bytes]) -> None:
+    """sendmsg a few buffers (a header and arrays) until all of them are out."""
+    views = [memoryview(b).cast("B") for b in bufs]
+    while views:
+        views = _advance(views, sock.sendmsg(views))
+
+
+def recv_arrays(sock: socket.socket, num_segments: int) -> tuple[np.ndarray, np.ndarray]:
+    """The request's offsets and sizes, read straight into one int64 array of shape [2, n]."""
+    arrays = np.empty((2, num_segments), dtype=np.int64)
+    recv_exact(sock, memoryview(arrays).cast("B"))
+    return arrays[0], arrays[1]
