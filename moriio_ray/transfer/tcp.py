@@ -174,7 +174,7 @@ class _Request:
             OPS[self.op], n, self.remote_mem.mem_id, self.remote_mem.epoch, self.transfer.num_bytes
         )
         self._tick(0)
-        send_all(sock, [head, self.remote_offsets, self.sizes])
+        send_all(sock, [head, self.remote_offsets.data, self.sizes.data])
         self._expect_ok(sock)
         if self.op == "read":
             self.region.recv(sock, self.local_offsets, self.sizes, self._tick)

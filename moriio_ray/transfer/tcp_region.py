@@ -28,7 +28,7 @@ class HostRegion:
     def __init__(self, tensor: torch.Tensor) -> None:
         self.tensor = tensor  # keeps the memory alive while a request uses it
         self.num_bytes = tensor.numel() * tensor.element_size()
-        self.view = memoryview(byte_view(tensor).numpy())
+        self.view = byte_view(tensor).numpy().data
 
     def send(self, sock: socket.socket, offsets: np.ndarray, sizes: np.ndarray, tick: Tick | None) -> None:
         send_segments(sock, self.view, offsets, sizes, tick)
@@ -47,7 +47,7 @@ def windows(
     offs: list[int] = []
     lens: list[int] = []
     room = window_bytes
-    for off, size in zip(offsets.tolist(), sizes.tolist()):
+    for off, size in zip(offsets.tolist(), sizes.tolist(), strict=True):
         while size:
             take = min(size, room)
             offs.append(off)
@@ -85,7 +85,7 @@ class StagedRegion:
     def send(self, sock: socket.socket, offsets: np.ndarray, sizes: np.ndarray, tick: Tick | None) -> None:
         buf = self._take()
         try:
-            view = memoryview(buf.numpy())
+            view = buf.numpy().data
             moved = 0
             for offs, lens in windows(offsets, sizes, self._window(sizes)):
                 used = self._gather(buf, offs, lens)
@@ -99,7 +99,7 @@ class StagedRegion:
     def recv(self, sock: socket.socket, offsets: np.ndarray, sizes: np.ndarray, tick: Tick | None) -> None:
         buf = self._take()
         try:
-            view = memoryview(buf.numpy())
+            view = buf.numpy().data
             moved = 0
             for offs, lens in windows(offsets, sizes, self._window(sizes)):
                 used = int(lens.sum())
@@ -136,7 +136,7 @@ class StagedRegion:
             self._sync()
             return int(picked.numel())
         pos = 0
-        for off, n in zip(offs.tolist(), lens.tolist()):
+        for off, n in zip(offs.tolist(), lens.tolist(), strict=True):
             buf[pos : pos + n].copy_(self.flat[off : off + n], non_blocking=True)
             pos += n
         self._sync()
@@ -151,7 +151,7 @@ class StagedRegion:
             self.flat.view(-1, size).index_copy_(0, ids, staged)
         else:
             pos = 0
-            for off, n in zip(offs.tolist(), lens.tolist()):
+            for off, n in zip(offs.tolist(), lens.tolist(), strict=True):
                 self.flat[off : off + n].copy_(buf[pos : pos + n], non_blocking=True)
                 pos += n
         # the buffer is refilled for the next window only after these copies have landed

@@ -96,7 +96,9 @@ def recv_status(sock: socket.socket) -> tuple[int, str, int]:
 def _views(
     base: memoryview, offsets: np.ndarray, sizes: np.ndarray, start: int, stop: int
 ) -> list[memoryview]:
-    return [base[o : o + s] for o, s in zip(offsets[start:stop].tolist(), sizes[start:stop].tolist())]
+    return [
+        base[o : o + s] for o, s in zip(offsets[start:stop].tolist(), sizes[start:stop].tolist(), strict=True)
+    ]
 
 
 def _batches(sizes: np.ndarray) -> list[tuple[int, int]]:
@@ -171,5 +173,5 @@ def send_all(sock: socket.socket, bufs: list[memoryview | bytes]) -> None:
 def recv_arrays(sock: socket.socket, num_segments: int) -> tuple[np.ndarray, np.ndarray]:
     """The request's offsets and sizes, read straight into one int64 array of shape [2, n]."""
     arrays = np.empty((2, num_segments), dtype=np.int64)
-    recv_exact(sock, memoryview(arrays).cast("B"))
+    recv_exact(sock, arrays.data.cast("B"))
     return arrays[0], arrays[1]
