@@ -221,7 +221,10 @@ class Fabric:
             self.dangling += 1
             return
         if code == StatusCode.SUCCESS:
-            item.move()
+            try:
+                item.move()
+            except KeyError as exc:  # a region was deregistered mid-flight: the NIC reports an error
+                code, msg = StatusCode.ERR_RDMA_OP, f"memory region {exc} was deregistered"
         status.Update(code, msg)
 
     def methods(self, engine_key: str, name: str) -> list[tuple[Any, ...]]:

@@ -1,0 +1,196 @@
+"""MoRI statuses -> our errors, waiting with deadlines, and keeping statuses alive, on a FAKE ``mori``.
+
+The fake (``tests/unit/fake_mori.py``) stands in for ``mori.io`` because there is no AMD hardware
+here and the real ``amd-mori`` wheels are cp310/ROCm only. Like MoRI's C++ side, it holds statuses
+by weak reference and counts completions of statuses Python already freed (``dangling``).
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+import weakref
+
+import pytest
+import torch
+
+from moriio_ray.errors import PeerLost, TransferError, TransferTimeout
+from moriio_ray.transfer import mori_status
+from moriio_ray.transfer.mori_status import status_error
+
+try:
+    from . import fake_mori
+except ImportError:
+    import fake_mori  # type: ignore[no-redef]
+
+SC = fake_mori.StatusCode
+
+
+@pytest.fixture
+def fabric(monkeypatch):
+    return fake_mori.install(monkeypatch, immediate=False)
+
+
+def _setup():
+    p, d = fake_mori.make_agent("prefill-0"), fake_mori.make_agent("decode-0")
+    d.connect(p.engine_desc())
+    src = torch.arange(256, dtype=torch.uint8).repeat(4)
+    dst = torch.zeros(1024, dtype=torch.uint8)
+    return p, d, src, dst, p.register(src), d.register(dst)
+
+
+def _wait_in_thread(transfer, timeout_s):
+    """Run transfer.wait in a thread; returns (thread, outcome list)."""
+    outcome: list[BaseException | None] = []
+
+    def run():
+        try:
+            transfer.wait(timeout_s)
+            outcome.append(None)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, outcome
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("code", [SC.ERR_INVALID_ARGS, SC.ERR_RDMA_OP, SC.ERR_BAD_STATE, SC.ERR_GPU_OP])
+def test_failure_codes_raise_transfer_error_with_moris_message(fabric, code):
+    _, d, _, _, p_mem, d_mem = _setup()
+    fabric.fail_next = (code, "ibv_post_send: Cannot allocate memory")
+    x = d.read(d_mem, p_mem, [0], [0], [16])
+    assert x.done()
+    with pytest.raises(TransferError) as info:
+        x.wait(timeout_s=1.0)
+    assert not isinstance(info.value, (PeerLost, TransferTimeout))
+    assert code.name in str(info.value) and "Cannot allocate memory" in str(info.value)
+    assert "prefill-0" in str(info.value)
+
+
+@pytest.mark.timeout(10)
+def test_not_found_means_the_peer_is_gone(fabric):
+    p, d, _, _, p_mem, d_mem = _setup()
+    p.deregister(p_mem)  # MoRI no longer knows the remote region
+    x = d.read(d_mem, p_mem, [0], [0], [16])
+    with pytest.raises(PeerLost, match="ERR_NOT_FOUND.*reconnect"):
+        x.wait(timeout_s=1.0)
+
+
+@pytest.mark.timeout(10)
+def test_unknown_code_still_names_itself():
+    class _Status:
+        def Code(self):
+            return "StatusCode.ERR_FROM_A_NEWER_MORI"
+
+        def Message(self):
+            return ""
+
+    error = status_error(_Status(), "peer-x")
+    assert type(error) is TransferError
+    assert "ERR_FROM_A_NEWER_MORI" in str(error) and "no message" in str(error)
+
+
+@pytest.mark.timeout(10)
+def test_wait_times_out_then_the_transfer_goes_on(fabric):
+    _, d, src, dst, p_mem, d_mem = _setup()
+    x = d.read(d_mem, p_mem, [0], [512], [256])
+    with pytest.raises(TransferTimeout, match=r"256 bytes in 1 segments.*within 0.05 s"):
+        x.wait(timeout_s=0.05)
+    assert not x.done() and x.error() is None
+    assert fabric.complete() == 1
+    x.wait(timeout_s=1.0)
+    assert torch.equal(dst[:256], src[512:768])
+
+
+@pytest.mark.timeout(10)
+def test_waiter_wakes_on_completion_from_another_thread(fabric):
+    _, d, _, _, p_mem, d_mem = _setup()
+    x = d.read(d_mem, p_mem, [0], [0], [64])
+    thread, outcome = _wait_in_thread(x, 5.0)
+    fabric.complete()
+    thread.join(timeout=5.0)
+    assert outcome == [None]
+
+
+@pytest.mark.timeout(10)
+def test_engine_wait_all_is_preferred_when_mori_has_it(fabric, monkeypatch):
+    seen: list[tuple[int, int]] = []
+
+    def wait_all(self, statuses, timeout_ms=-1):
+        seen.append((len(statuses), timeout_ms))
+        for status in statuses:
+            status.WaitFor(timeout_ms)
+
+    monkeypatch.setattr(fake_mori.IOEngine, "wait_all", wait_all, raising=False)
+    _, d, _, _, p_mem, d_mem = _setup()
+    x = d.read(d_mem, p_mem, [0], [0], [64])
+    with pytest.raises(TransferTimeout):
+        x.wait(timeout_s=0.02)
+    assert seen and all(n == 1 and 1 <= ms <= 50 for n, ms in seen)
+
+
+@pytest.mark.timeout(10)
+def test_polling_when_mori_has_no_timed_wait(fabric, monkeypatch):
+    monkeypatch.delattr(fake_mori.TransferStatus, "WaitFor")
+    _, d, _, _, p_mem, d_mem = _setup()
+    assert mori_status.choose_waiter(d._engine, fake_mori) is mori_status.poll_statuses
+    x = d.read(d_mem, p_mem, [0], [0], [64])
+    with pytest.raises(TransferTimeout):
+        x.wait(timeout_s=0.02)
+    fabric.complete()
+    x.wait(timeout_s=1.0)
+
+
+@pytest.mark.timeout(10)
+def test_statuses_stay_alive_until_terminal_after_the_caller_drops_them(fabric):
+    _, d, _, _, p_mem, d_mem = _setup()
+    x = d.read(d_mem, p_mem, [0], [0], [64])
+    status_ref = weakref.ref(x.statuses[0])
+    del x
+    gc.collect()
+    assert status_ref() is not None and d.live_transfers() == 1
+    fabric.complete()
+    assert fabric.dangling == 0
+    assert d.live_transfers() == 0
+    gc.collect()
+    assert status_ref() is None
+
+
+@pytest.mark.timeout(10)
+def test_the_fake_detects_a_freed_status(fabric):
+    # Control for the test above: without the agent's reference, completion would dangle.
+    _, d, _, _, p_mem, d_mem = _setup()
+    session = d._session(d_mem, p_mem)
+    session.batch_read([0], [0], [64], session.allocate_transfer_uid())
+    gc.collect()
+    fabric.complete()
+    assert fabric.dangling == 1
+
+
+@pytest.mark.timeout(10)
+def test_disconnect_fails_in_flight_transfers_and_keeps_their_statuses(fabric):
+    p, d, _, _, p_mem, d_mem = _setup()
+    x = d.read(d_mem, p_mem, [0], [0], [64])
+    thread, outcome = _wait_in_thread(x, 5.0)
+    d.disconnect(p.key)
+    thread.join(timeout=5.0)
+    assert len(outcome) == 1 and isinstance(outcome[0], PeerLost)
+    assert x.done() and isinstance(x.error(), PeerLost)
+    del x
+    gc.collect()
+    assert d.live_transfers() == 1  # MoRI may still write the status
+    fabric.complete()
+    assert fabric.dangling == 0 and d.live_transfers() == 0
+
+
+@pytest.mark.timeout(10)
+def test_close_keeps_the_engine_while_statuses_are_live(fabric):
+    p, d, _, _, p_mem, d_mem = _setup()
+    x = d.read(d_mem, p_mem, [0], [0], [64])
+    d.close()
+    assert isinstance(x.error(), PeerLost)
+    assert isinstance(d._engine, fake_mori.IOEngine)
+    fabric.complete()
+    assert fabric.dangling == 0
