@@ -1,0 +1,1 @@
+"""The Ray runtime: worker actors, the coordinator, the router and the PDPipeline API."""

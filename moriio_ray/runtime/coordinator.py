@@ -1,0 +1,312 @@
+"""The coordinator: owns the worker pools, their descriptors and their liveness.
+
+A named async actor (create-or-get) in namespace ``moriio_ray``. It creates the workers in one
+placement group (one bundle per engine), ``ray.put``s each worker's ``WorkerInfo`` so that it owns
+the descriptors, publishes a versioned membership that routers and workers long-poll, pings every
+worker, and on a death bumps that worker's epoch, tells every peer (which fails in-flight transfers
+with PeerLost) and starts a replacement in the same bundle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from moriio_ray.config import PipelineConfig, RoleConfig
+from moriio_ray.errors import CapacityError, DeadlineExceeded
+from moriio_ray.runtime.messages import Member, Membership, Role, WorkerInfo
+from moriio_ray.runtime.worker import make_actor_class
+
+log = logging.getLogger(__name__)
+
+NAMESPACE = "moriio_ray"
+_MISSES_TO_DEAD = 2
+
+
+def coordinator_name(name: str) -> str:
+    return f"coordinator:{name}"
+
+
+@dataclass
+class Slot:
+    """One engine's place in the pool: its bundle, its current worker and that worker's epoch."""
+
+    role: str
+    index: int
+    bundle_index: int
+    epoch: int = 0
+    member: Member | None = None
+    misses: int = 0
+    starting: bool = False
+
+
+class Coordinator:
+    """See the module docstring. All methods are async; the actor runs them on one event loop."""
+
+    def __init__(self, config: PipelineConfig) -> None:
+        self.config = config
+        self.token = secrets.token_bytes(32)
+        self.version = 0
+        self.slots: list[Slot] = []
+        self.pg: PlacementGroup | None = None
+        self.deaths: list[dict[str, Any]] = []
+        self._changed: asyncio.Event | None = None
+        self._started: asyncio.Task[None] | None = None
+        self._health: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._closing = False
+
+    # -- start ----------------------------------------------------------------------------------
+
+    async def start(self) -> int:
+        """Create the pool (once) and wait until every worker is ready; returns the membership version."""
+        if self._started is None:
+            self._started = asyncio.ensure_future(self._start())
+        await asyncio.shield(self._started)
+        return self.version
+
+    async def _start(self) -> None:
+        self._changed = asyncio.Event()
+        roles = self._role_slots()
+        bundles = [_bundle(getattr(self.config.pool, s.role)) for s in roles]
+        labels = [dict(getattr(self.config.pool, s.role).labels) for s in roles]
+        kwargs: dict[str, Any] = {}
+        if any(labels):
+            kwargs["bundle_label_selector"] = labels
+        self.pg = placement_group(bundles, strategy=self.config.pool.placement_strategy, **kwargs)
+        timeout_s = self.config.runtime.worker_start_timeout_s
+        ready, _ = await asyncio.to_thread(ray.wait, [self.pg.ready()], timeout=timeout_s)
+        if not ready:
+            raise CapacityError(
+                f"the placement group {bundles} (strategy {self.config.pool.placement_strategy}) could "
+                f"not be scheduled within {timeout_s} s; the cluster has {ray.available_resources()}"
+            )
+        self.slots = roles
+        await asyncio.gather(*(self._spawn(slot) for slot in self.slots))
+        self._health = asyncio.ensure_future(self._health_loop())
+
+    def _role_slots(self) -> list[Slot]:
+        pool = self.config.pool
+        slots: list[Slot] = []
+        for role in (Role.PREFILL.value, Role.DECODE.value, Role.COLOCATED.value):
+            for i in range(getattr(pool, role).replicas):
+                slots.append(Slot(role=role, index=i, bundle_index=len(slots)))
+        return slots
+
+    async def _spawn(self, slot: Slot) -> None:
+        """Start the slot's worker at the next epoch and publish it once ready."""
+        slot.starting = True
+        slot.epoch += 1
+        key = f"{self.config.name}-{slot.role}-{slot.index}"
+        rc: RoleConfig = getattr(self.config.pool, slot.role)
+        options: dict[str, Any] = {
+            "num_cpus": rc.num_cpus,
+            "num_gpus": rc.num_gpus,
+            "max_restarts": 0,  # we replace a dead worker ourselves, at a new epoch
+            "max_concurrency": 4096,
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                placement_group=self.pg, placement_group_bundle_index=slot.bundle_index
+            ),
+        }
+        if rc.resources:
+            options["resources"] = dict(rc.resources)
+        if self.config.transfer.backend == "cuda_ipc":
+            from moriio_ray.transfer.cuda_devices import ray_actor_env
+
+            options["runtime_env"] = {"env_vars": ray_actor_env()}
+        me = ray.get_runtime_context().current_actor
+        actor = (
+            make_actor_class()
+            .options(**options)
+            .remote(self.config, slot.role, key, epoch=slot.epoch, token=self.token, coordinator=me)
+        )
+        try:
+            info: WorkerInfo = await asyncio.wait_for(
+                actor.ready.remote(), self.config.runtime.worker_start_timeout_s
+            )
+        except asyncio.TimeoutError:
+            ray.kill(actor, no_restart=True)
+            slot.starting = False
+            raise DeadlineExceeded(
+                f"worker {key} was not ready within {self.config.runtime.worker_start_timeout_s} s"
+            ) from None
+        except BaseException:
+            slot.starting = False
+            raise
+        slot.member = Member(
+            key=key,
+            role=slot.role,
+            epoch=slot.epoch,
+            node_id=info.node_id,
+            actor=actor,
+            info_ref=ray.put(info),  # owned by the coordinator: lives as long as it does
+            same_host_only=info.same_host_only,
+        )
+        slot.misses = 0
+        slot.starting = False
+        self._bump()
+
+    # -- membership -----------------------------------------------------------------------------
+
+    def _members(self) -> list[Member]:
+        return [s.member for s in self.slots if s.member is not None]
+
+    def _bump(self) -> None:
+        self.version += 1
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = asyncio.Event()
+        members = self._members()
+        for m in members:
+            m.actor.update_members.remote(members)
+
+    async def get_membership(self, since_version: int = -1, timeout_s: float = 0.0) -> Membership:
+        """The membership; with ``timeout_s`` > 0, wait that long for a version above ``since_version``."""
+        if self.version <= since_version and timeout_s > 0 and self._changed is not None:
+            try:
+                await asyncio.wait_for(self._changed.wait(), timeout_s)
+            except asyncio.TimeoutError:
+                pass
+        return Membership(version=self.version, members=self._members())
+
+    async def lookup(self, key: str) -> Member | None:
+        for m in self._members():
+            if m.key == key:
+                return m
+        return None
+
+    async def get_config(self) -> PipelineConfig:
+        return self.config
+
+    async def get_token(self) -> bytes:
+        return self.token
+
+    # -- liveness -------------------------------------------------------------------------------
+
+    async def report_failure(self, key: str, epoch: int) -> None:
+        """A caller saw ``key`` fail: check it now instead of at the next ping."""
+        for slot in self.slots:
+            if slot.member is not None and slot.member.key == key and slot.member.epoch == epoch:
+                await self._ping(slot, timeout_s=self.config.runtime.health_check_period_s)
+
+    async def _health_loop(self) -> None:
+        period_s = self.config.runtime.health_check_period_s
+        while not self._closing:
+            await asyncio.sleep(period_s)
+            live = [s for s in self.slots if s.member is not None]
+            await asyncio.gather(*(self._ping(s, timeout_s=period_s * 1.5) for s in live))
+
+    async def _ping(self, slot: Slot, *, timeout_s: float) -> None:
+        member = slot.member
+        if member is None:
+            return
+        try:
+            await asyncio.wait_for(member.actor.check_health.remote(), timeout_s)
+            slot.misses = 0
+            return
+        except asyncio.TimeoutError:
+            slot.misses += 1
+            if slot.misses < _MISSES_TO_DEAD:
+                return
+            reason = f"no health answer for {slot.misses} pings"
+        except ray.exceptions.RayActorError as exc:
+            reason = f"actor died: {type(exc).__name__}"
+        except Exception as exc:
+            reason = f"unhealthy: {exc!r}"
+        if slot.member is member:  # not already handled by a concurrent ping
+            self._on_dead(slot, reason)
+
+    def _on_dead(self, slot: Slot, reason: str) -> None:
+        member = slot.member
+        assert member is not None
+        log.warning("worker %s epoch %d is dead (%s)", member.key, member.epoch, reason)
+        self.deaths.append({"key": member.key, "epoch": member.epoch, "reason": reason, "at": time.time()})
+        slot.member = None
+        ray.kill(member.actor, no_restart=True)
+        for other in self._members():
+            other.actor.peer_lost.remote(member.key, member.epoch)
+        self._bump()
+        if self.config.runtime.replace_dead_workers and not self._closing:
+            self._background(self._replace(slot))
+
+    async def _replace(self, slot: Slot) -> None:
+        try:
+            await self._spawn(slot)
+            log.warning("replaced %s-%d at epoch %d", slot.role, slot.index, slot.epoch)
+        except Exception as exc:
+            log.error("could not replace %s-%d: %r", slot.role, slot.index, exc)
+
+    def _background(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # -- stats and shutdown ---------------------------------------------------------------------
+
+    async def stats(self) -> dict[str, Any]:
+        members = self._members()
+        results = await asyncio.gather(
+            *(asyncio.wait_for(m.actor.stats.remote(), 10.0) for m in members), return_exceptions=True
+        )
+        workers = {
+            m.key: (r if not isinstance(r, BaseException) else {"error": repr(r)})
+            for m, r in zip(members, results, strict=True)
+        }
+        return {
+            "name": self.config.name,
+            "mode": self.config.mode,
+            "backend": self.config.transfer.backend,
+            "version": self.version,
+            "workers": workers,
+            "deaths": list(self.deaths),
+            "starting": [f"{s.role}-{s.index}" for s in self.slots if s.starting],
+        }
+
+    async def shutdown(self) -> None:
+        self._closing = True
+        if self._health is not None:
+            self._health.cancel()
+        members = self._members()
+        await asyncio.gather(
+            *(asyncio.wait_for(m.actor.shutdown.remote(), 10.0) for m in members), return_exceptions=True
+        )
+        for m in members:
+            ray.kill(m.actor, no_restart=True)
+        for s in self.slots:
+            s.member = None
+        if self.pg is not None:
+            remove_placement_group(self.pg)
+            self.pg = None
+
+
+def _bundle(rc: RoleConfig) -> dict[str, float]:
+    bundle: dict[str, float] = {"CPU": rc.num_cpus, "GPU": rc.num_gpus, **rc.resources}
+    bundle = {k: v for k, v in bundle.items() if v > 0}
+    return bundle or {"CPU": 0.01}  # a bundle may not be empty
+
+
+def get_or_create(config: PipelineConfig, *, detached: bool) -> Any:
+    """The coordinator actor of ``config.name``: the running one, or a new one."""
+    actor_cls = ray.remote(Coordinator)
+    return actor_cls.options(
+        name=coordinator_name(config.name),
+        namespace=NAMESPACE,
+        get_if_exists=True,
+        lifetime="detached" if detached else None,
+        num_cpus=0,
+        max_concurrency=4096,
+        max_restarts=0,
+    ).remote(config)
+
+
+def get_existing(name: str) -> Any:
+    """The running coordinator of ``name`` (ValueError if there is none)."""
+    return ray.get_actor(coordinator_name(name), namespace=NAMESPACE)

@@ -1,0 +1,154 @@
+"""One engine thread per worker: it owns the engine, steps it, and hands outputs to asyncio.
+
+The engine is not thread-safe, so every engine call goes through ``call`` and runs on the engine
+thread between steps. Outputs of each step go to per-request asyncio queues on the worker's loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from moriio_ray.engine.engine import Engine, StepOutput
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+_SWEEP_PERIOD_S = 0.25
+
+
+class EngineLoop:
+    """Runs ``engine.step()`` on a thread while there is work; serves calls in between."""
+
+    def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop) -> None:
+        self.engine = engine
+        self._loop = loop
+        self._calls: queue.SimpleQueue[tuple[Callable[[], Any], asyncio.Future[Any] | None] | None] = (
+            queue.SimpleQueue()
+        )
+        self._subscribers: dict[str, asyncio.Queue[StepOutput | BaseException]] = {}
+        self._step_waiters: list[asyncio.Future[None]] = []
+        self._stop = threading.Event()
+        self._last_sweep_s = 0.0
+        self.num_steps = 0
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    # -- asyncio side ---------------------------------------------------------------------------
+
+    async def call(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the engine thread and return its result (or raise its error)."""
+        if self._stop.is_set():
+            raise RuntimeError("engine loop is stopped")
+        fut: asyncio.Future[T] = self._loop.create_future()
+        self._calls.put((fn, fut))
+        return await fut
+
+    def subscribe(self, request_id: str) -> asyncio.Queue[StepOutput | BaseException]:
+        """A queue of the request's step outputs (an exception instead if the engine loop fails)."""
+        q: asyncio.Queue[StepOutput | BaseException] = asyncio.Queue()
+        self._subscribers[request_id] = q
+        return q
+
+    def unsubscribe(self, request_id: str) -> None:
+        self._subscribers.pop(request_id, None)
+
+    async def next_step(self) -> None:
+        """Wait until the engine finishes one more step (blocks may have been freed)."""
+        # No wake-up here: an idle engine answers within one sweep period, a busy one after its step.
+        fut: asyncio.Future[None] = self._loop.create_future()
+        self._step_waiters.append(fut)
+        await fut
+
+    def post(self, fn: Callable[[], Any]) -> None:
+        """Run ``fn`` on the engine thread without waiting (cleanup paths that must not await)."""
+        if not self._stop.is_set():
+            self._calls.put((fn, None))
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        self._calls.put(None)
+        self._thread.join(timeout_s)
+
+    # -- engine thread --------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._serve_calls(block=not self.engine.has_work())
+                self._maybe_sweep()
+                if self.engine.has_work():
+                    outputs = self.engine.step()
+                    self.num_steps += 1
+                    self._loop.call_soon_threadsafe(self._dispatch, outputs)
+                elif self._step_waiters:
+                    self._loop.call_soon_threadsafe(self._dispatch, [])
+            except BaseException as exc:  # an engine bug must not hang every request
+                log.exception("engine loop failed")
+                self.error = exc
+                self._loop.call_soon_threadsafe(self._fail_all, exc)
+                self._stop.set()
+
+    def _serve_calls(self, *, block: bool) -> None:
+        timeout_s = _SWEEP_PERIOD_S if block else 0.0
+        while True:
+            try:
+                item = self._calls.get(timeout=timeout_s) if block else self._calls.get_nowait()
+            except queue.Empty:
+                return
+            block = False  # after the first item, drain without waiting
+            if item is None:
+                continue
+            fn, fut = item
+            try:
+                result = fn()
+            except BaseException as exc:
+                if fut is None:
+                    log.warning("posted engine call failed: %r", exc)
+                else:
+                    self._loop.call_soon_threadsafe(_set_exception, fut, exc)
+            else:
+                if fut is not None:
+                    self._loop.call_soon_threadsafe(_set_result, fut, result)
+
+    def _maybe_sweep(self) -> None:
+        now = time.monotonic()
+        if now - self._last_sweep_s >= _SWEEP_PERIOD_S:
+            self._last_sweep_s = now
+            expired = self.engine.sweep_leases()
+            if expired:
+                log.warning("freed %d expired leases: %s", len(expired), expired[:8])
+
+    def _dispatch(self, outputs: list[StepOutput]) -> None:
+        for out in outputs:
+            q = self._subscribers.get(out.request_id)
+            if q is not None:
+                q.put_nowait(out)
+        waiters, self._step_waiters = self._step_waiters, []
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(None)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for q in self._subscribers.values():
+            q.put_nowait(exc)
+        for fut in self._step_waiters:
+            if not fut.done():
+                fut.set_exception(exc)
+        self._step_waiters = []
+
+
+def _set_result(fut: asyncio.Future[Any], value: Any) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _set_exception(fut: asyncio.Future[Any], exc: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(exc)

@@ -1,0 +1,252 @@
+"""The request flows, driven from the caller's side (a driver or the Serve ingress).
+
+READ:  P.prefill -> first token -> D.decode(handle) streams (D reads, then releases P's lease).
+WRITE: D.reserve -> P.prefill_push(reservation) -> first token -> D.decode(push result) streams.
+COLOCATED: C.generate streams.
+
+Failure rules (DESIGN section 6): every remote await has a deadline; a prefill whose P dies is
+retried once on another P; a decode whose D dies ends with PeerLost, or (``on_transfer_failure:
+recompute``) continues on another pair from the tokens already produced; a cancelled request
+releases P's blocks at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import ray
+
+from moriio_ray.config import PipelineConfig
+from moriio_ray.errors import DeadlineExceeded, PeerLost
+from moriio_ray.runtime.messages import GenRequest, KVHandle, Member, PushResult, TokenChunk
+from moriio_ray.runtime.router import Router
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass
+class FlowState:
+    """What one request's flow has produced so far (read by the pipeline for results and timings)."""
+
+    emitted: list[int] = field(default_factory=list)
+    timings: dict[str, float] = field(default_factory=dict)
+    prefill_key: str | None = None
+    decode_key: str | None = None
+    retries: int = 0
+
+
+async def deadline(aw: Awaitable[T], timeout_s: float, what: str) -> T:
+    try:
+        return await asyncio.wait_for(aw, timeout_s)
+    except asyncio.TimeoutError:
+        raise DeadlineExceeded(f"{what} did not answer within {timeout_s} s") from None
+
+
+class Flows:
+    """Runs requests over the pool through a router; reports dead workers to the coordinator."""
+
+    def __init__(self, config: PipelineConfig, router: Router, coordinator: Any) -> None:
+        self.config = config
+        self.router = router
+        self.coordinator = coordinator
+        self.timeout_s = config.runtime.remote_timeout_s
+
+    def _dead(self, member: Member) -> None:
+        self.coordinator.report_failure.remote(member.key, member.epoch)
+
+    async def run(self, req: GenRequest, state: FlowState) -> AsyncIterator[TokenChunk]:
+        """Stream the request's chunks; the first chunk holds the first token."""
+        mode = self.config.mode
+        budget = req.params.max_tokens
+        attempt = req
+        while True:
+            try:
+                if mode == "colocated":
+                    gen = self._colocated(attempt, state)
+                elif mode == "write":
+                    gen = self._write(attempt, state)
+                else:
+                    gen = self._read(attempt, state)
+                async for chunk in gen:
+                    state.emitted.extend(chunk.token_ids)
+                    yield chunk
+                return
+            except ray.exceptions.RayActorError as exc:
+                # The decode side died mid-stream (prefill deaths are retried inside the flows).
+                if self.config.transfer.on_transfer_failure != "recompute" or state.retries >= 1:
+                    raise PeerLost(f"the worker serving {req.request_id} died: {exc}") from None
+                state.retries += 1
+                left = budget - len(state.emitted)
+                if left <= 0:
+                    return
+                log.warning("continuing %s on another pair after a worker death", req.request_id)
+                attempt = GenRequest(
+                    request_id=f"{req.request_id}:cont{state.retries}",
+                    prompt_token_ids=[*req.prompt_token_ids, *state.emitted],
+                    params=_with_max_tokens(req.params, left),
+                )
+
+    # -- colocated ------------------------------------------------------------------------------
+
+    async def _colocated(self, req: GenRequest, state: FlowState) -> AsyncIterator[TokenChunk]:
+        worker = self.router.pick("colocated")
+        cost = len(req.prompt_token_ids) + req.params.max_tokens
+        self.router.acquire(worker, cost)
+        state.decode_key = worker.key
+        try:
+            async for chunk in self._stream(worker, worker.actor.generate.remote(req)):
+                yield chunk
+        finally:
+            self.router.release(worker, cost)
+
+    # -- READ -----------------------------------------------------------------------------------
+
+    async def _read(self, req: GenRequest, state: FlowState) -> AsyncIterator[TokenChunk]:
+        handle, p = await self._prefill(req, state)
+        released = False
+        try:
+            yield TokenChunk(
+                token_ids=[handle.first_token],
+                logprobs=[handle.first_logprob] if handle.first_logprob is not None else None,
+                finished=handle.finished,
+                finish_reason=handle.finish_reason,
+            )
+            state.timings["prefill_s"] = handle.prefill_s
+            if handle.finished:
+                return
+            d = self.router.pick_decode_for(p)
+            state.decode_key = d.key
+            cost = req.params.max_tokens
+            self.router.acquire(d, cost)
+            try:
+                async for chunk in self._stream(d, d.actor.decode.remote(req, handle)):
+                    released = True  # D released the lease once it had read
+                    _handoff(state, chunk, handle.prefill_done_unix)
+                    yield chunk
+            finally:
+                self.router.release(d, cost)
+        finally:
+            if not released:  # finished at P, cancelled or failed before D read: free P's blocks now
+                p.actor.release.remote(handle.transfer_id)
+
+    async def _prefill(self, req: GenRequest, state: FlowState) -> tuple[KVHandle, Member]:
+        tried: list[str] = []
+        for attempt in range(self.config.runtime.prefill_retries + 1):
+            p = self.router.pick("prefill", exclude=tried)
+            state.prefill_key = p.key
+            cost = len(req.prompt_token_ids)
+            self.router.acquire(p, cost)
+            ref = p.actor.prefill.remote(req)
+            try:
+                handle: KVHandle = await deadline(ref, self.timeout_s, f"prefill on {p.key}")
+                return handle, p
+            except ray.exceptions.RayActorError:
+                self._dead(p)
+                tried.append(p.key)
+                if attempt >= self.config.runtime.prefill_retries:
+                    raise
+                log.warning("prefill of %s: %s died, retrying on another P", req.request_id, p.key)
+            except BaseException:
+                ray.cancel(ref)  # cancelled or timed out: P aborts the request and frees its blocks
+                raise
+            finally:
+                self.router.release(p, cost)
+        raise AssertionError("unreachable")
+
+    # -- WRITE ----------------------------------------------------------------------------------
+
+    async def _write(self, req: GenRequest, state: FlowState) -> AsyncIterator[TokenChunk]:
+        d = self.router.pick("decode")
+        state.decode_key = d.key
+        cost = req.params.max_tokens + len(req.prompt_token_ids)
+        self.router.acquire(d, cost)
+        reserved = True
+        try:
+            res = await deadline(d.actor.reserve.remote(req), self.timeout_s, f"reserve on {d.key}")
+            push, _p = await self._push(req, d, res, state)
+            state.timings["prefill_s"] = push.prefill_s
+            state.timings["push_wait_s"] = push.push_wait_s
+            yield TokenChunk(
+                token_ids=[push.first_token],
+                logprobs=[push.first_logprob] if push.first_logprob is not None else None,
+                finished=push.finished,
+                finish_reason=push.finish_reason,
+            )
+            if push.finished:
+                return
+            reserved = False  # D.decode takes the reservation over
+            async for chunk in self._stream(d, d.actor.decode.remote(req, push)):
+                _handoff(state, chunk, push.prefill_done_unix)
+                yield chunk
+        finally:
+            self.router.release(d, cost)
+            if reserved:
+                d.actor.cancel_reservation.remote(req.request_id)
+
+    async def _push(
+        self, req: GenRequest, d: Member, res: Any, state: FlowState
+    ) -> tuple[PushResult, Member]:
+        tried: list[str] = []
+        for attempt in range(self.config.runtime.prefill_retries + 1):
+            p = self.router.pick_prefill_for(d, exclude=tried)
+            state.prefill_key = p.key
+            ref = p.actor.prefill_push.remote(req, res)
+            try:
+                push: PushResult = await deadline(ref, self.timeout_s, f"prefill_push on {p.key}")
+                return push, p
+            except ray.exceptions.RayActorError:
+                self._dead(p)
+                tried.append(p.key)
+                if attempt >= self.config.runtime.prefill_retries:
+                    raise
+                log.warning("prefill_push of %s: %s died, retrying on another P", req.request_id, p.key)
+            except BaseException:
+                ray.cancel(ref)
+                raise
+        raise AssertionError("unreachable")
+
+    # -- streaming ------------------------------------------------------------------------------
+
+    async def _stream(self, worker: Member, gen: Any) -> AsyncIterator[TokenChunk]:
+        """Iterate a worker's streaming generator with a deadline per chunk; cancel it if we stop early."""
+        finished = False
+        try:
+            while True:
+                try:
+                    ref = await deadline(gen.__anext__(), self.timeout_s, f"stream from {worker.key}")
+                except StopAsyncIteration:
+                    return
+                chunk: TokenChunk = await deadline(ref, self.timeout_s, f"chunk from {worker.key}")
+                yield chunk
+                if chunk.finished:
+                    finished = True
+                    return
+        except ray.exceptions.RayActorError:
+            self._dead(worker)
+            raise
+        finally:
+            if not finished:
+                ray.cancel(gen)
+
+
+def _handoff(state: FlowState, chunk: TokenChunk, prefill_done_unix: float) -> None:
+    """The first decode chunk carries D's timings: derive the handoff overhead from them."""
+    t = chunk.timings
+    if not t or "decode_start_unix" not in t or "handoff_s" in state.timings:
+        return
+    raw_s = t.get("transfer_s", 0.0)
+    state.timings.update({k: v for k, v in t.items() if k != "decode_start_unix"})
+    state.timings["handoff_s"] = max(0.0, t["decode_start_unix"] - prefill_done_unix - raw_s)
+    state.timings["first_decode_unix"] = time.time()
+
+
+def _with_max_tokens(params: Any, max_tokens: int) -> Any:
+    import msgspec
+
+    return msgspec.structs.replace(params, max_tokens=max_tokens)

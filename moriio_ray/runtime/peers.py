@@ -1,0 +1,91 @@
+"""A worker's view of its peers: descriptors from the coordinator, connected once per peer pair."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from moriio_ray.errors import DeadlineExceeded, PeerLost, StaleDescriptor
+from moriio_ray.runtime.messages import Member, WorkerInfo
+from moriio_ray.transfer.base import TransferAgent
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Peer:
+    key: str
+    epoch: int
+    info: WorkerInfo
+    actor: Any  # ray ActorHandle
+
+
+class PeerDirectory:
+    """Resolves (key, epoch) to a connected peer; a lost or replaced peer raises PeerLost."""
+
+    def __init__(self, agent: TransferAgent, coordinator: Any, timeout_s: float) -> None:
+        self.agent = agent
+        self.coordinator = coordinator
+        self.timeout_s = timeout_s
+        self._peers: dict[str, Peer] = {}
+        self._lost: dict[str, int] = {}  # key -> highest epoch known dead
+        self._connecting: dict[tuple[str, int], asyncio.Task[Peer]] = {}
+
+    async def get(self, key: str, epoch: int) -> Peer:
+        peer = self._peers.get(key)
+        if peer is not None and peer.epoch == epoch:
+            return peer
+        self._check_alive(key, epoch, peer)
+        task = self._connecting.get((key, epoch))
+        if task is None:
+            task = asyncio.ensure_future(self._resolve(key, epoch))
+            self._connecting[(key, epoch)] = task
+            task.add_done_callback(lambda _t: self._connecting.pop((key, epoch), None))
+        return await asyncio.shield(task)
+
+    async def add_members(self, members: list[Member], *, roles: set[str]) -> None:
+        """Connect eagerly to every live member of the given roles (connect once, not per request)."""
+        for m in members:
+            if m.role in roles and m.key != self.agent.key:
+                try:
+                    await self.get(m.key, m.epoch)
+                except Exception as exc:  # a peer that died meanwhile is handled on use
+                    log.warning("could not connect to peer %s epoch %d: %r", m.key, m.epoch, exc)
+
+    def lost(self, key: str, epoch: int) -> None:
+        """The coordinator saw ``key`` at ``epoch`` die: drop it and fail its in-flight transfers."""
+        self._lost[key] = max(epoch, self._lost.get(key, 0))
+        peer = self._peers.get(key)
+        if peer is not None and peer.epoch <= epoch:
+            del self._peers[key]
+            self.agent.disconnect(key)
+
+    def _check_alive(self, key: str, epoch: int, peer: Peer | None) -> None:
+        if epoch <= self._lost.get(key, 0):
+            raise PeerLost(f"peer {key!r} epoch {epoch} died")
+        if peer is not None and peer.epoch > epoch:
+            raise PeerLost(f"peer {key!r} epoch {epoch} was replaced by epoch {peer.epoch}")
+
+    async def _resolve(self, key: str, epoch: int) -> Peer:
+        try:
+            member: Member | None = await asyncio.wait_for(
+                self.coordinator.lookup.remote(key), self.timeout_s
+            )
+            if member is None or member.epoch != epoch:
+                now = "gone" if member is None else f"at epoch {member.epoch}"
+                raise PeerLost(f"peer {key!r} epoch {epoch} is no longer registered (now {now})")
+            info: WorkerInfo = await asyncio.wait_for(member.info_ref, self.timeout_s)
+        except asyncio.TimeoutError:
+            raise DeadlineExceeded(
+                f"the coordinator did not answer a lookup of {key!r} within {self.timeout_s} s"
+            ) from None
+        self._check_alive(key, epoch, self._peers.get(key))
+        try:
+            await asyncio.to_thread(self.agent.connect, info.engine_desc)
+        except StaleDescriptor as exc:
+            raise PeerLost(str(exc)) from exc
+        peer = Peer(key=key, epoch=epoch, info=info, actor=member.actor)
+        self._peers[key] = peer
+        return peer

@@ -1,0 +1,309 @@
+"""PDPipeline: the Python API over a running pool.
+
+    pipe = PDPipeline.launch("configs/tiny_1p1d_cpu.yaml")      # or a PipelineConfig / dict
+    result = pipe.generate("Hello", SamplingParams(max_tokens=16))
+    async for event in pipe.stream("Hello", SamplingParams(max_tokens=16)): ...
+    other = PDPipeline.connect("default")                        # from another driver, or Serve
+    pipe.stats(); pipe.shutdown()
+
+``generate`` and ``stats`` have async twins (``generate_async``, ``stats_async``) for code that
+already runs an event loop (Serve); the sync forms run on a private loop thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import ray
+
+from moriio_ray import metrics
+from moriio_ray.config import PipelineConfig, load_config, parse_pipeline_config
+from moriio_ray.engine.sampling import SamplingParams
+from moriio_ray.engine.tokenizer import load_tokenizer
+from moriio_ray.errors import CapacityError, ConfigError, InvalidRequest
+from moriio_ray.runtime import coordinator as coord
+from moriio_ray.runtime.bgloop import BackgroundLoop
+from moriio_ray.runtime.detok import IncrementalText
+from moriio_ray.runtime.flows import Flows, FlowState
+from moriio_ray.runtime.messages import GenRequest
+from moriio_ray.runtime.router import Router
+
+log = logging.getLogger(__name__)
+
+
+class StreamEvent(msgspec.Struct, kw_only=True):
+    """One piece of a streamed request."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finished: bool = False
+    finish_reason: str | None = None
+    logprobs: list[float] | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    timings: dict[str, float] | None = None  # on the last event
+
+
+class GenerationResult(msgspec.Struct, kw_only=True):
+    """A finished request."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    num_prompt_tokens: int
+    logprobs: list[float] | None = None
+    timings: dict[str, float] = msgspec.field(default_factory=dict)
+
+
+class PDPipeline:
+    """A handle on a pipeline's coordinator plus a local router. Cheap to create; many may exist."""
+
+    def __init__(self, coordinator: Any, config: PipelineConfig) -> None:
+        self.coordinator = coordinator
+        self.config = config
+        self.router = Router()
+        self.flows = Flows(config, self.router, coordinator)
+        self.tokenizer = load_tokenizer(config.model)
+        self.max_model_len = 0
+        self._bg: BackgroundLoop | None = None
+        self._watch: asyncio.Task[None] | None = None
+        self._watch_loop: asyncio.AbstractEventLoop | None = None
+
+    # -- creation -------------------------------------------------------------------------------
+
+    @classmethod
+    def launch(
+        cls, config: PipelineConfig | dict[str, Any] | str | Path, *, detached: bool = False
+    ) -> PDPipeline:
+        """Start (or join) the pipeline named ``config.name`` and wait until every worker is ready."""
+        cfg = _as_config(config)
+        _ensure_ray()
+        actor = coord.get_or_create(cfg, detached=detached)
+        running: PipelineConfig = ray.get(actor.get_config.remote())
+        if running != cfg:
+            raise ConfigError(
+                f"name: a pipeline named {cfg.name!r} already runs with another config; shut it down "
+                "or choose another name"
+            )
+        ray.get(actor.start.remote())
+        pipe = cls(actor, cfg)
+        pipe._sync(pipe._refresh())
+        return pipe
+
+    @classmethod
+    def connect(cls, name: str = "default", *, timeout_s: float = 60.0) -> PDPipeline:
+        """Attach to a running pipeline (another driver, or the Serve ingress)."""
+        _ensure_ray()
+        try:
+            actor = coord.get_existing(name)
+        except ValueError:
+            raise ConfigError(f"name: no pipeline named {name!r} is running in this Ray cluster") from None
+        cfg: PipelineConfig = ray.get(actor.get_config.remote(), timeout=timeout_s)
+        ray.get(actor.start.remote(), timeout=timeout_s)
+        pipe = cls(actor, cfg)
+        pipe._sync(pipe._refresh())
+        return pipe
+
+    # -- membership -----------------------------------------------------------------------------
+
+    async def _refresh(self, timeout_s: float = 0.0) -> None:
+        membership = await self.coordinator.get_membership.remote(self.router.membership.version, timeout_s)
+        self.router.update(membership)
+        if not self.max_model_len and membership.members:
+            info = await membership.members[0].info_ref
+            self.max_model_len = info.max_model_len
+
+    def _ensure_watch(self) -> None:
+        """Long-poll the membership from the current event loop (one watcher per loop)."""
+        loop = asyncio.get_running_loop()
+        if self._watch is not None and self._watch_loop is loop and not self._watch.done():
+            return
+        self._watch_loop = loop
+        self._watch = loop.create_task(self._watch_forever())
+
+    async def _watch_forever(self) -> None:
+        while True:
+            try:
+                await self._refresh(timeout_s=5.0)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # coordinator restarting or gone: back off, keep the old view
+                log.warning("membership refresh failed: %r", exc)
+                await asyncio.sleep(1.0)
+
+    # -- requests -------------------------------------------------------------------------------
+
+    def make_request(
+        self,
+        prompt: str | None = None,
+        *,
+        token_ids: list[int] | None = None,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> GenRequest:
+        """Tokenize and validate a request (InvalidRequest / CapacityError for bad input)."""
+        params = params or SamplingParams()
+        if (prompt is None) == (token_ids is None):
+            raise InvalidRequest("give exactly one of prompt and token_ids")
+        ids = list(token_ids) if token_ids is not None else self.tokenizer.encode(str(prompt))
+        if not ids:
+            raise InvalidRequest("the prompt is empty")
+        vocab = self.tokenizer.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise InvalidRequest(f"token ids must lie in 0..{vocab - 1}")
+        if self.max_model_len and len(ids) + params.max_tokens > self.max_model_len:
+            raise CapacityError(
+                f"the prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds the "
+                f"model's length of {self.max_model_len} tokens"
+            )
+        return GenRequest(request_id=request_id or uuid.uuid4().hex, prompt_token_ids=ids, params=params)
+
+    async def stream(
+        self,
+        prompt: str | None = None,
+        *,
+        token_ids: list[int] | None = None,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> AsyncIterator[StreamEvent]:
+        """Stream a request's text and tokens. Closing the iterator cancels the request everywhere."""
+        req = self.make_request(prompt, token_ids=token_ids, params=params, request_id=request_id)
+        async for event in self.stream_request(req):
+            yield event
+
+    async def stream_request(self, req: GenRequest) -> AsyncIterator[StreamEvent]:
+        self._ensure_watch()
+        if self.router.membership.version < 0:
+            await self._refresh()
+        state = FlowState()
+        text = IncrementalText(self.tokenizer, req.params.stop)
+        t0 = time.perf_counter()
+        last_s = t0
+        mode = self.config.mode
+        n_out = 0
+        async for chunk in self.flows.run(req, state):
+            now = time.perf_counter()
+            if n_out == 0:
+                state.timings["ttft_s"] = now - t0
+                metrics.record_ttft(now - t0, mode=mode)
+            elif chunk.token_ids:
+                metrics.record_itl((now - last_s) / len(chunk.token_ids), mode=mode)
+            last_s = now
+            n_out += len(chunk.token_ids)
+            delta = text.add(chunk.token_ids, final=chunk.finished)
+            if chunk.finished:
+                state.timings["total_s"] = now - t0
+                if "handoff_s" in state.timings:
+                    metrics.record_handoff(
+                        state.timings["handoff_s"], backend=self.config.transfer.backend, mode=mode
+                    )
+            yield StreamEvent(
+                request_id=req.request_id,
+                token_ids=chunk.token_ids,
+                text=delta,
+                finished=chunk.finished,
+                finish_reason=chunk.finish_reason,
+                logprobs=chunk.logprobs,
+                num_prompt_tokens=len(req.prompt_token_ids),
+                num_output_tokens=n_out,
+                timings=dict(state.timings) if chunk.finished else None,
+            )
+            if chunk.finished:
+                return
+
+    async def generate_async(
+        self,
+        prompt: str | None = None,
+        *,
+        token_ids: list[int] | None = None,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> GenerationResult:
+        req = self.make_request(prompt, token_ids=token_ids, params=params, request_id=request_id)
+        ids: list[int] = []
+        logprobs: list[float] | None = None
+        text: list[str] = []
+        last: StreamEvent | None = None
+        async for event in self.stream_request(req):
+            ids.extend(event.token_ids)
+            text.append(event.text)
+            if event.logprobs is not None:
+                logprobs = [*(logprobs or []), *event.logprobs]
+            last = event
+        assert last is not None and last.finished
+        return GenerationResult(
+            request_id=req.request_id,
+            text="".join(text),
+            token_ids=ids,
+            finish_reason=last.finish_reason,
+            num_prompt_tokens=len(req.prompt_token_ids),
+            logprobs=logprobs,
+            timings=last.timings or {},
+        )
+
+    def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        token_ids: list[int] | None = None,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> GenerationResult:
+        """Run one request to completion (blocking)."""
+        return self._sync(
+            self.generate_async(prompt, token_ids=token_ids, params=params, request_id=request_id)
+        )
+
+    # -- management -----------------------------------------------------------------------------
+
+    async def stats_async(self) -> dict[str, Any]:
+        stats: dict[str, Any] = await self.coordinator.stats.remote()
+        stats["router"] = {"outstanding": dict(self.router.outstanding), "served": dict(self.router.served)}
+        return stats
+
+    def stats(self) -> dict[str, Any]:
+        """Per-worker engine counters (free/used/leased blocks, requests, transfers) and deaths."""
+        return self._sync(self.stats_async())
+
+    def shutdown(self) -> None:
+        """Stop every worker and the coordinator."""
+        try:
+            ray.get(self.coordinator.shutdown.remote(), timeout=60)
+        finally:
+            ray.kill(self.coordinator, no_restart=True)
+            if self._bg is not None:
+                self._bg.stop()
+
+    def _sync(self, coro: Any) -> Any:
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            pass
+        else:
+            coro.close()
+            raise RuntimeError("this is the blocking API; inside an event loop use the *_async methods")
+        if self._bg is None:
+            self._bg = BackgroundLoop()
+        return self._bg.run(coro)
+
+
+def _as_config(config: PipelineConfig | dict[str, Any] | str | Path) -> PipelineConfig:
+    if isinstance(config, PipelineConfig):
+        return config
+    if isinstance(config, dict):
+        return parse_pipeline_config(config)
+    return load_config(config)
+
+
+def _ensure_ray() -> None:
+    if not ray.is_initialized():
+        ray.init(namespace=coord.NAMESPACE, log_to_driver=True)

@@ -1,0 +1,393 @@
+"""The engine worker: one engine, one transfer agent, one engine loop; and its Ray actor shell.
+
+``EngineWorker`` is a plain class (tests drive it without Ray). ``WorkerActor`` is the same class
+as a Ray actor; the coordinator creates it inside a placement-group bundle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from moriio_ray import metrics
+from moriio_ray.config import PipelineConfig
+from moriio_ray.engine.engine import Engine
+from moriio_ray.errors import ConfigError, DeadlineExceeded, TransferError
+from moriio_ray.runtime.engine_loop import EngineLoop
+from moriio_ray.runtime.kv_pull import KVPuller
+from moriio_ray.runtime.messages import (
+    GenRequest,
+    KVHandle,
+    Member,
+    PushResult,
+    Reservation,
+    Role,
+    TokenChunk,
+    WorkerInfo,
+)
+from moriio_ray.runtime.peers import PeerDirectory
+from moriio_ray.runtime.push import LayerPusher
+from moriio_ray.runtime.streaming import stream_outputs, wait_prefill
+from moriio_ray.transfer import create_agent
+from moriio_ray.transfer.handle import Transfer
+
+log = logging.getLogger(__name__)
+
+
+class EngineWorker:
+    """One engine and its agent. Every public method is safe to call concurrently (asyncio)."""
+
+    def __init__(
+        self,
+        config: PipelineConfig,
+        role: str,
+        key: str,
+        *,
+        epoch: int = 1,
+        token: bytes | None = None,
+        coordinator: Any = None,
+    ) -> None:
+        self.config = config
+        self.role = Role(role).value
+        self.key = key
+        self.epoch = epoch
+        self.coordinator = coordinator
+        _prepare_device(config, self.role)
+        self.agent = create_agent(config.transfer, key, epoch=epoch, token=token)
+        self.engine = Engine(
+            config.model,
+            config.engine,
+            role=self.role,
+            agent=self.agent,
+            lease_grace_s=config.transfer.lease_grace_s,
+        )
+        if self.engine.kv_mem is None:
+            raise ConfigError("engine: the KV cache was not registered with the transfer agent")
+        self.kv_mem = self.engine.kv_mem
+        self.layout = self.engine.layout
+        self.peers = PeerDirectory(self.agent, coordinator, config.runtime.remote_timeout_s)
+        self._loop: EngineLoop | None = None
+        self._pushers: dict[str, LayerPusher] = {}
+        self._reservations: dict[str, Reservation] = {}
+        self._quarantined: set[str] = set()
+        self._background: set[asyncio.Future[None]] = set()
+        self._closed = False
+        self.counters: dict[str, float] = {
+            "requests": 0,
+            "transfers": 0,
+            "transfer_bytes": 0,
+            "transfer_failures": 0,
+            "recomputes": 0,
+            "cancelled": 0,
+        }
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    @property
+    def loop(self) -> EngineLoop:
+        if self._loop is None:
+            self._loop = EngineLoop(self.engine, asyncio.get_running_loop())
+            if self.role == Role.PREFILL.value:
+                self.engine.set_layer_hook(self._on_layer)
+        return self._loop
+
+    async def ready(self) -> WorkerInfo:
+        """Start the engine loop and publish this worker's descriptors."""
+        _ = self.loop
+        return WorkerInfo(
+            key=self.key,
+            role=self.role,
+            epoch=self.epoch,
+            node_id=self.agent.engine_desc().node_id,
+            host=self.agent.engine_desc().host,
+            pid=self.agent.engine_desc().pid,
+            backend=self.agent.name,
+            engine_desc=self.agent.engine_desc(),
+            kv_mem=self.kv_mem,
+            layout=self.layout,
+            max_model_len=self.engine.max_model_len,
+            num_blocks=self.layout.num_blocks,
+            same_host_only=self.agent.same_host_only,
+        )
+
+    async def check_health(self) -> bool:
+        if self._loop is not None and self._loop.error is not None:
+            raise RuntimeError(f"engine loop of {self.key} failed: {self._loop.error!r}")
+        return True
+
+    async def update_members(self, members: list[Member]) -> None:
+        """The coordinator's membership push: connect eagerly to the peers this role talks to."""
+        other = {Role.PREFILL.value: {Role.DECODE.value}, Role.DECODE.value: {Role.PREFILL.value}}
+        await self.peers.add_members(members, roles=other.get(self.role, set()))
+
+    async def peer_lost(self, key: str, epoch: int) -> None:
+        """A peer died: drop it and fail its in-flight transfers with PeerLost."""
+        self.peers.lost(key, epoch)
+
+    async def stats(self) -> dict[str, Any]:
+        stats: dict[str, Any] = await self.loop.call(self.engine.stats)
+        metrics.set_blocks(
+            stats["num_free_blocks"], stats["num_leased_blocks"], worker=self.key, role=self.role
+        )
+        return {
+            "key": self.key,
+            "role": self.role,
+            "epoch": self.epoch,
+            **stats,
+            **self.counters,
+            "pending_reservations": len(self._reservations),
+        }
+
+    async def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._loop is not None:
+            self._loop.stop()
+        self.agent.close()
+
+    # -- colocated ------------------------------------------------------------------------------
+
+    async def generate(self, req: GenRequest) -> AsyncIterator[TokenChunk]:
+        """Colocated: prefill and decode here; stream the tokens."""
+        self.counters["requests"] += 1
+        q = self.loop.subscribe(req.request_id)
+        try:
+            await self.loop.call(
+                lambda: self.engine.add_request(req.request_id, req.prompt_token_ids, req.params)
+            )
+            async for chunk in stream_outputs(q, self.config.runtime.remote_timeout_s):
+                yield chunk
+        finally:
+            self._finish(req.request_id)
+
+    # -- READ mode ------------------------------------------------------------------------------
+
+    async def prefill(self, req: GenRequest) -> KVHandle:
+        """Prefill, sample the first token, lease the prompt's blocks and return the handle."""
+        self.counters["requests"] += 1
+        q = self.loop.subscribe(req.request_id)
+        ok = False
+        try:
+            await self.loop.call(
+                lambda: self.engine.add_request(req.request_id, req.prompt_token_ids, req.params)
+            )
+            out, prefill_s = await wait_prefill(q, self.config.runtime.remote_timeout_s)
+            assert out.prefill is not None
+            pre = out.prefill
+            handle = KVHandle(
+                transfer_id=req.request_id,
+                engine_key=self.key,
+                epoch=self.epoch,
+                block_ids=list(pre.block_ids),
+                num_tokens=pre.num_tokens,
+                first_token=pre.first_token,
+                first_logprob=pre.first_logprob,
+                lease_deadline_unix=pre.lease_deadline_unix,
+                prefill_done_unix=time.time(),
+                prefill_s=prefill_s,
+                finished=out.finished,
+                finish_reason=out.finish_reason,
+            )
+            ok = True
+            return handle
+        finally:
+            self.loop.unsubscribe(req.request_id)
+            if not ok:  # cancelled or failed: free the blocks (and any lease) at once
+                self.loop.post(lambda: self.engine.abort(req.request_id))
+
+    async def release(self, transfer_id: str) -> bool:
+        """D has read (or given up on) a lease: free P's blocks now."""
+        released: bool = await self.loop.call(lambda: self.engine.release(transfer_id))
+        return released
+
+    async def decode(self, req: GenRequest, source: KVHandle | PushResult) -> AsyncIterator[TokenChunk]:
+        """Bring the prompt's KV in (READ: one batched read; WRITE: already pushed), then decode.
+
+        The stream carries the tokens after the first one (the caller already has the first).
+        """
+        self.counters["requests"] += 1
+        rid = req.request_id
+        q = self.loop.subscribe(rid)
+        timings: dict[str, float] = {}
+        try:
+            first: int | None
+            if isinstance(source, KVHandle):
+                pulled = await KVPuller(self, req, source, timings).run()
+                first, first_lp = pulled.first_token, pulled.first_logprob
+                if pulled.queue is not None:  # recomputed locally (maybe under a fresh id)
+                    if pulled.request_id != rid:
+                        self.loop.unsubscribe(rid)
+                    rid, q = pulled.request_id, pulled.queue
+            else:
+                res = self._reservations.pop(rid, None)
+                if res is None:
+                    raise TransferError(f"request {rid!r}: no reservation on {self.key} (expired?)")
+                first, first_lp = source.first_token, source.first_logprob
+                timings["push_wait_s"] = source.push_wait_s
+            timings["decode_start_unix"] = time.time()
+            if first is not None:
+                await self.loop.call(lambda: self.engine.start_decode(rid, first, first_lp))
+            async for chunk in stream_outputs(q, self.config.runtime.remote_timeout_s, skip_first=True):
+                if chunk.timings is None and timings:
+                    chunk.timings, timings = dict(timings), {}
+                yield chunk
+        finally:
+            self._finish(rid)
+            if rid != req.request_id:
+                self._finish(req.request_id)
+
+    # -- WRITE mode -----------------------------------------------------------------------------
+
+    async def reserve(self, req: GenRequest) -> Reservation:
+        """Reserve blocks for a prompt that P will push into."""
+        deadline_s = time.monotonic() + self.config.runtime.remote_timeout_s
+        blocks = await reserve_blocks(self, req, deadline_s)
+        res = Reservation(
+            request_id=req.request_id,
+            engine_key=self.key,
+            epoch=self.epoch,
+            block_ids=blocks,
+            deadline_unix=time.time() + self.config.transfer.kv_lease_s,
+        )
+        self._reservations[req.request_id] = res
+        asyncio.get_running_loop().call_later(
+            self.config.transfer.kv_lease_s + self.config.transfer.lease_grace_s,
+            self._expire_reservation,
+            req.request_id,
+        )
+        return res
+
+    async def cancel_reservation(self, request_id: str) -> bool:
+        if self._reservations.pop(request_id, None) is None:
+            return False
+        await self.loop.call(lambda: self.engine.abort(request_id))
+        return True
+
+    def _expire_reservation(self, request_id: str) -> None:
+        if self._reservations.pop(request_id, None) is not None:
+            log.warning("reservation %s expired unused; freeing its blocks", request_id)
+            self.loop.post(lambda: self.engine.abort(request_id))
+
+    async def prefill_push(self, req: GenRequest, reservation: Reservation) -> PushResult:
+        """Prefill while pushing each computed layer into D's reserved blocks; then free ours."""
+        self.counters["requests"] += 1
+        rid = req.request_id
+        peer = await self.peers.get(reservation.engine_key, reservation.epoch)
+        pusher = LayerPusher(self.agent, self.kv_mem, self.layout, peer.info, reservation)
+        self._pushers[rid] = pusher
+        q = self.loop.subscribe(rid)
+        try:
+            await self.loop.call(lambda: self.engine.add_request(rid, req.prompt_token_ids, req.params))
+            out, prefill_s = await wait_prefill(q, self.config.runtime.remote_timeout_s)
+            assert out.prefill is not None
+            done_unix = time.time()
+            t0 = time.perf_counter()
+            limit_s = max(0.0, min(self.config.transfer.timeout_s, reservation.deadline_unix - done_unix))
+            try:
+                await asyncio.to_thread(pusher.wait_all, limit_s)
+            except Exception as exc:
+                self.counters["transfer_failures"] += 1
+                metrics.record_failure(type(exc).__name__, role=self.role)
+                raise
+            push_wait_s = time.perf_counter() - t0
+            self.counters["transfers"] += 1
+            self.counters["transfer_bytes"] += pusher.num_bytes
+            metrics.record_transfer(
+                pusher.num_bytes,
+                prefill_s,
+                pusher.num_segments,
+                backend=self.agent.name,
+                role=self.role,
+            )
+            return PushResult(
+                request_id=rid,
+                first_token=out.prefill.first_token,
+                first_logprob=out.prefill.first_logprob,
+                prefill_done_unix=done_unix,
+                prefill_s=prefill_s,
+                push_wait_s=push_wait_s,
+                num_bytes=pusher.num_bytes,
+                num_segments=pusher.num_segments,
+                finished=out.finished,
+                finish_reason=out.finish_reason,
+            )
+        finally:
+            self._pushers.pop(rid, None)
+            self.loop.unsubscribe(rid)
+            # P keeps nothing once the push is over (or failed): D holds the KV now.
+            self.loop.post(lambda: self.engine.abort(rid))
+
+    def _on_layer(self, layer: int, request_ids: list[str]) -> None:
+        # engine thread: push this layer for every request of the batch that has a destination
+        for rid in request_ids:
+            pusher = self._pushers.get(rid)
+            if pusher is not None:
+                pusher.on_layer(layer, self.engine.prefill_blocks(rid))
+
+    # -- shared ---------------------------------------------------------------------------------
+
+    async def abort(self, request_id: str) -> None:
+        """Cancel a request on this worker: free its blocks and lease at once."""
+        self._reservations.pop(request_id, None)
+        await self.loop.call(lambda: self.engine.abort(request_id))
+
+    def _finish(self, request_id: str) -> None:
+        """Always called when a request's stream ends: idempotent abort frees anything left."""
+        self.loop.unsubscribe(request_id)
+        if request_id not in self._quarantined:
+            self.loop.post(lambda: self.engine.abort(request_id))
+
+    def quarantine(self, request_id: str, xfer: Transfer, max_wait_s: float) -> None:
+        """Keep a request's blocks out of use until a transfer into them has ended, then free them."""
+        self._quarantined.add(request_id)
+
+        async def _free_later() -> None:
+            try:
+                await asyncio.to_thread(xfer.wait, max_wait_s)
+            except Exception:
+                pass  # failed or still running after max_wait_s: either way it is over for us
+            self._quarantined.discard(request_id)
+            self.loop.post(lambda: self.engine.abort(request_id))
+
+        task = asyncio.ensure_future(_free_later())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+
+async def reserve_blocks(worker: EngineWorker, req: GenRequest, deadline_s: float) -> list[int]:
+    """Reserve blocks for ``req``; wait for the engine to free some, up to ``deadline_s`` (monotonic)."""
+    while True:
+        blocks = await worker.loop.call(
+            lambda: worker.engine.reserve(req.request_id, req.prompt_token_ids, req.params)
+        )
+        if blocks is not None:
+            return list(blocks)
+        if time.monotonic() >= deadline_s:
+            raise DeadlineExceeded(
+                f"{worker.key}: no free KV blocks for {req.request_id} before its deadline"
+            )
+        await worker.loop.next_step()
+
+
+def _prepare_device(config: PipelineConfig, role: str) -> None:
+    """CPU engines use the threads Ray gave them; cuda_ipc engines pick their GPU among all visible."""
+    import torch
+
+    if config.transfer.backend == "cuda_ipc":
+        from moriio_ray.transfer.cuda_devices import select_device
+
+        select_device()
+    if config.engine.device == "cpu" or not torch.cuda.is_available():
+        role_cfg = getattr(config.pool, role)
+        torch.set_num_threads(max(1, int(role_cfg.num_cpus or 1)))
+
+
+def make_actor_class() -> Any:
+    """The Ray actor of EngineWorker (built lazily so that importing this module needs no Ray)."""
+    import ray
+
+    return ray.remote(EngineWorker)
