@@ -282,7 +282,7 @@ class IOEngine:
 
     def create_backend(self, type: BackendType, config: BackendConfig | None = None) -> None:
         expected = {BackendType.RDMA: RdmaBackendConfig, BackendType.XGMI: XgmiBackendConfig}[type]
-        if not isinstance(config, expected):
+        if config is None or not isinstance(config, expected):
             raise TypeError(f"{type} needs a {expected.__name__}, got {config!r}")
         self.backends[type] = config
         self._record("create_backend", type, config)
@@ -326,7 +326,11 @@ class IOEngine:
     def _batch(
         self, op: str, local: MemoryDesc, remote: MemoryDesc, lo: Any, ro: Any, sz: Any
     ) -> TransferStatus:
-        lo, ro, sz = _check_sizes("local_offsets", lo), _check_sizes("remote_offsets", ro), _check_sizes("sizes", sz)
+        lo, ro, sz = (
+            _check_sizes("local_offsets", lo),
+            _check_sizes("remote_offsets", ro),
+            _check_sizes("sizes", sz),
+        )
         self._record(f"batch_{op}", local, remote, lo, ro, sz)
         status = TransferStatus()
         if not len(lo) == len(ro) == len(sz):
@@ -335,7 +339,7 @@ class IOEngine:
         if remote.engine_key not in self._remotes or (remote.engine_key, remote.id) not in FABRIC.tensors:
             status.Update(StatusCode.ERR_NOT_FOUND, f"remote engine or memory {remote.engine_key} not found")
             return status
-        for off_l, off_r, size in zip(lo, ro, sz):
+        for off_l, off_r, size in zip(lo, ro, sz, strict=True):
             if off_l + size > local.size or off_r + size > remote.size:
                 status.Update(StatusCode.ERR_INVALID_ARGS, "segment out of range")
                 return status
@@ -344,13 +348,13 @@ class IOEngine:
             FABRIC.fail_next = None
             status.Update(code, msg)
             return status
-        src_key, dst_key = ((remote, local) if op == "read" else (local, remote))
+        src_key, dst_key = (remote, local) if op == "read" else (local, remote)
         src_offs, dst_offs = (ro, lo) if op == "read" else (lo, ro)
 
         def move() -> None:
             src = FABRIC.tensors[(src_key.engine_key, src_key.id)].view(-1).view(torch.uint8)
             dst = FABRIC.tensors[(dst_key.engine_key, dst_key.id)].view(-1).view(torch.uint8)
-            for s, d, n in zip(src_offs, dst_offs, sz):
+            for s, d, n in zip(src_offs, dst_offs, sz, strict=True):
                 dst[d : d + n].copy_(src[s : s + n])
 
         status.SetCode(StatusCode.IN_PROGRESS)

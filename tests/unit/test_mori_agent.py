@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pickle
 
+import fake_mori  # tests/unit is on sys.path under pytest (no __init__.py here)
 import msgspec
 import numpy as np
 import pytest
@@ -17,11 +18,6 @@ import torch
 from moriio_ray.errors import IncompatiblePeer, PeerLost, StaleDescriptor
 from moriio_ray.transfer import decode_engine_desc, decode_memory_desc, encode_desc
 from moriio_ray.transfer.mori_api import decode_peer_info
-
-try:
-    from . import fake_mori
-except ImportError:
-    import fake_mori  # type: ignore[no-redef]
 
 
 @pytest.fixture
@@ -53,10 +49,10 @@ def test_read_round_trip_scatter_gather(fabric):
     x = d.read(d_mem, p_mem, local, remote, sizes)
     x.wait(timeout_s=5.0)
     assert x.done() and x.error() is None and x.bytes_moved == int(sizes.sum())
-    for lo, ro, n in zip(local, remote, sizes):
+    for lo, ro, n in zip(local, remote, sizes, strict=True):
         assert torch.equal(dst[lo : lo + n], src[ro : ro + n])
     untouched = torch.ones(4096, dtype=torch.bool)
-    for lo, n in zip(local, sizes):
+    for lo, n in zip(local, sizes, strict=True):
         untouched[lo : lo + n] = False
     assert not dst[untouched].any()
     # one batch for the whole request, with plain int lists as pybind's vector<size_t> wants
@@ -159,7 +155,7 @@ def test_rdma_reaches_other_hosts_xgmi_does_not(fabric):
     px, dx = fake_mori.make_agent("px", backend="xgmi"), fake_mori.make_agent("dx", backend="xgmi")
     dx.connect(px.engine_desc())  # same host: fine
     far = msgspec.structs.replace(px.engine_desc(), key="px-far", host="10.9.8.7")
-    with pytest.raises(IncompatiblePeer, match="xgmi reaches only GPUs of this host.*rdma across hosts"):
+    with pytest.raises(IncompatiblePeer, match=r"xgmi reaches only GPUs of this host.*rdma across hosts"):
         dx.connect(far)
     assert "px-far" not in dx.peers()
 

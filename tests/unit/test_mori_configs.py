@@ -8,15 +8,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import fake_mori  # tests/unit is on sys.path under pytest (no __init__.py here)
 import pytest
 import yaml
 
 from moriio_ray import load_config
-
-try:
-    from . import fake_mori
-except ImportError:
-    import fake_mori  # type: ignore[no-redef]
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 XGMI = CONFIGS / "mi300x_1p1d_mori_xgmi.yaml"
@@ -33,13 +29,18 @@ def test_serve_file_shape(path):
     head = path.read_text().splitlines()[0]
     assert head.startswith("#")
     text = path.read_text()
-    assert "amd-mori" in text and "ROCm" in text and "MI300X" in text and f"serve run configs/{path.name}" in text
+    assert (
+        "amd-mori" in text
+        and "ROCm" in text
+        and "MI300X" in text
+        and f"serve run configs/{path.name}" in text
+    )
 
 
 @pytest.mark.timeout(10)
 def test_xgmi_1p1d():
     cfg = load_config(XGMI)
-    assert cfg.model.preset is None and cfg.model.path.endswith("Llama-3.1-8B-Instruct")
+    assert cfg.model.preset is None and str(cfg.model.path).endswith("Llama-3.1-8B-Instruct")
     assert (cfg.model.dtype, cfg.engine.device) == ("bfloat16", "cuda")
     t = cfg.transfer
     assert (t.backend, t.mode, t.timeout_s, t.kv_lease_s) == ("mori", "read", 30.0, 60.0)
@@ -54,7 +55,7 @@ def test_xgmi_1p1d():
 @pytest.mark.timeout(10)
 def test_rdma_2p2d():
     cfg = load_config(RDMA)
-    assert cfg.model.path.endswith("Llama-3.1-8B-Instruct") and cfg.engine.device == "cuda"
+    assert str(cfg.model.path).endswith("Llama-3.1-8B-Instruct") and cfg.engine.device == "cuda"
     t = cfg.transfer
     assert (t.backend, t.mode, t.timeout_s, t.kv_lease_s) == ("mori", "write", 30.0, 60.0)
     m = t.mori

@@ -11,17 +11,13 @@ import gc
 import threading
 import weakref
 
+import fake_mori  # tests/unit is on sys.path under pytest (no __init__.py here)
 import pytest
 import torch
 
 from moriio_ray.errors import PeerLost, TransferError, TransferTimeout
 from moriio_ray.transfer import mori_status
 from moriio_ray.transfer.mori_status import status_error
-
-try:
-    from . import fake_mori
-except ImportError:
-    import fake_mori  # type: ignore[no-redef]
 
 SC = fake_mori.StatusCode
 
@@ -74,7 +70,7 @@ def test_not_found_means_the_peer_is_gone(fabric):
     p, d, _, _, p_mem, d_mem = _setup()
     p.deregister(p_mem)  # MoRI no longer knows the remote region
     x = d.read(d_mem, p_mem, [0], [0], [16])
-    with pytest.raises(PeerLost, match="ERR_NOT_FOUND.*reconnect"):
+    with pytest.raises(PeerLost, match=r"ERR_NOT_FOUND.*reconnect"):
         x.wait(timeout_s=1.0)
 
 
@@ -187,7 +183,7 @@ def test_disconnect_fails_in_flight_transfers_and_keeps_their_statuses(fabric):
 
 @pytest.mark.timeout(10)
 def test_close_keeps_the_engine_while_statuses_are_live(fabric):
-    p, d, _, _, p_mem, d_mem = _setup()
+    _, d, _, _, p_mem, d_mem = _setup()
     x = d.read(d_mem, p_mem, [0], [0], [64])
     d.close()
     assert isinstance(x.error(), PeerLost)
