@@ -101,16 +101,18 @@ def _views(
     ]
 
 
-def _batches(sizes: np.ndarray) -> list[tuple[int, int]]:
-    """[start, stop) segment ranges with at most _BATCH_SEGMENTS segments or about _BATCH_BYTES each."""
+def batches(
+    sizes: np.ndarray, max_segments: int = _BATCH_SEGMENTS, max_bytes: int = _BATCH_BYTES
+) -> list[tuple[int, int]]:
+    """[start, stop) segment ranges of at most ``max_segments`` segments and about ``max_bytes`` each."""
     out = []
     start, n = 0, int(sizes.size)
     ends = np.cumsum(sizes)
     while start < n:
         base = int(ends[start - 1]) if start else 0
-        # the first segment whose end passes base + _BATCH_BYTES closes the batch
-        stop = int(np.searchsorted(ends, base + _BATCH_BYTES, side="left")) + 1
-        stop = min(max(stop, start + 1), start + _BATCH_SEGMENTS, n)
+        # the first segment whose end reaches base + max_bytes closes the range
+        stop = int(np.searchsorted(ends, base + max_bytes, side="left")) + 1
+        stop = min(max(stop, start + 1), start + max_segments, n)
         out.append((start, stop))
         start = stop
     return out
@@ -124,7 +126,7 @@ def send_segments(
 ) -> None:
     """Send ``base[offsets[i]:+sizes[i]]`` for all i, in order, with gathered sendmsg calls."""
     moved = 0
-    for start, stop in _batches(sizes):
+    for start, stop in batches(sizes):
         bufs = _views(base, offsets, sizes, start, stop)
         while bufs:
             sent = sock.sendmsg(bufs)
@@ -139,7 +141,7 @@ def recv_segments(
 ) -> None:
     """Receive into ``base[offsets[i]:+sizes[i]]`` for all i, in order, with scattered recvmsg_into."""
     moved = 0
-    for start, stop in _batches(sizes):
+    for start, stop in batches(sizes):
         bufs = _views(base, offsets, sizes, start, stop)
         while bufs:
             got = sock.recvmsg_into(bufs)[0] if len(bufs) > 1 else sock.recv_into(bufs[0])
