@@ -1,0 +1,273 @@
+"""cuda_ipc: KV transfers between NVIDIA GPUs of one host through CUDA IPC and one copy kernel.
+
+- **Memory.** ``allocate`` gives each region its own cudaMalloc allocation; ``register`` exports
+  any contiguous GPU tensor as the IPC handle of its allocation plus an offset. A peer in another
+  process opens the handle (lazily enabling peer access); a peer in the same process uses the
+  pointer directly, after enabling peer access between the two GPUs.
+- **Transfers.** ``read`` pulls on the reader's GPU, ``write`` pushes from the writer's GPU: both
+  run one ``segment_copy`` kernel (``cuda_kernels.py``) over all N segments, on a copy stream
+  dedicated to this agent and device, after one pinned host-to-device copy of the offsets. Below
+  ``transfer.cuda_ipc.small_transfer_bytes`` it issues one cudaMemcpyAsync per segment instead.
+- **Completion.** A CUDA event recorded after the copy (``cuda_transfer.CudaTransfer``).
+- **Ordering with compute.** By default a copy starts after the work already queued on the
+  caller's current stream of the local GPU. ``read``/``write`` take ``after=`` (a ``torch.cuda.Event``
+  or ``torch.cuda.Stream``) to start after that instead, e.g. WRITE mode pushes layer i with
+  ``agent.write(..., after=layer_done[i])``. The base signature without ``after`` works unchanged.
+- **Ray.** Workers must see the host's GPUs: see ``cuda_devices.ray_actor_env``/``select_device``.
+
+CuPy and the CUDA driver are imported only here, so only when cuda_ipc is chosen.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+import uuid
+from typing import Any, ClassVar
+
+import msgspec
+import numpy as np
+import torch
+
+from moriio_ray.errors import BackendUnavailable, ConfigError, PeerLost, SegmentOutOfBounds
+from moriio_ray.transfer import cuda_memory
+from moriio_ray.transfer.base import EngineDesc, MemoryDesc, Transfer, TransferAgent
+from moriio_ray.transfer.cuda_devices import device_uuids, enable_peer_access, index_of_uuid
+from moriio_ray.transfer.cuda_kernels import SegmentCopier, cupy_module
+from moriio_ray.transfer.cuda_transfer import CudaTransfer, pid_alive
+
+_PROCESS_ID = uuid.uuid4().hex  # tells a same-process peer from a process that reuses a pid
+
+
+class CudaEngineInfo(msgspec.Struct, frozen=True):
+    """``EngineDesc.backend_data`` of a cuda_ipc agent."""
+
+    process_id: str
+    pid: int
+    pid_namespace: int  # liveness checks by pid only make sense inside one PID namespace
+
+
+@functools.lru_cache(maxsize=1)
+def _pid_namespace() -> int:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+class _Lane:
+    """One local GPU: its copy stream and kernel launcher."""
+
+    def __init__(self, device: torch.device, config: Any) -> None:
+        self.stream = torch.cuda.Stream(device=device)
+        self.copier = SegmentCopier(device, self.stream, max_ctas=config.max_ctas)
+        self.lock = threading.Lock()
+
+
+class CudaIpcAgent(TransferAgent):
+    """Transfer agent for NVIDIA GPUs of one host (see the module docstring)."""
+
+    name: ClassVar[str] = "cuda_ipc"
+    same_host_only: ClassVar[bool] = True
+    memory_kinds: ClassVar[frozenset[str]] = frozenset({"cuda"})
+
+    def __init__(self, config: Any, key: str, *, epoch: int = 1, token: bytes | None = None) -> None:
+        if not torch.cuda.is_available():
+            raise BackendUnavailable("transfer.backend: cuda_ipc needs a CUDA GPU; none is visible here")
+        cupy_module()
+        super().__init__(config, key, epoch=epoch, token=token)
+        self._uuids = device_uuids()
+        self._lanes: dict[int, _Lane] = {}
+        self._peer_info: dict[str, CudaEngineInfo] = {}
+        # peer key -> {(handle, local device): (base, size)} of opened IPC mappings
+        self._imports: dict[str, dict[tuple[bytes, int], tuple[int, int]]] = {}
+        # (peer, epoch, mem_id, num_bytes, device) -> address
+        self._ptrs: dict[tuple[str, int, int, int, int], int] = {}
+        self._inflight: dict[str, list[CudaTransfer]] = {}
+        self._tls = threading.local()
+
+    # -- memory ---------------------------------------------------------------------------------
+
+    def allocate(
+        self, shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device
+    ) -> torch.Tensor:
+        """A zeroed tensor in its own device allocation, so that exactly it can be exported."""
+        dev = torch.device(device)
+        self._check_device(dev)
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        num_bytes = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
+        return cuda_memory.allocate(num_bytes, dev).view(dtype).view(shape)
+
+    def _register(self, mem_id: int, tensor: torch.Tensor) -> bytes:
+        assert tensor.device.index is not None
+        region = cuda_memory.export_region(tensor, self._uuids[tensor.device.index])
+        return msgspec.msgpack.encode(region)
+
+    def stream(self, device: torch.device | int) -> torch.cuda.Stream:
+        """The copy stream this agent uses on a local GPU (benchmarks record events on it)."""
+        return self._lane(torch.device("cuda", device) if isinstance(device, int) else device).stream
+
+    def _lane(self, device: torch.device) -> _Lane:
+        assert device.index is not None
+        lane = self._lanes.get(device.index)
+        if lane is None:
+            with self._lock:
+                lane = self._lanes.get(device.index)
+                if lane is None:
+                    lane = self._lanes[device.index] = _Lane(device, self.config.cuda_ipc)
+        return lane
+
+    # -- peers ----------------------------------------------------------------------------------
+
+    def _engine_backend_data(self) -> bytes:
+        return msgspec.msgpack.encode(CudaEngineInfo(_PROCESS_ID, os.getpid(), _pid_namespace()))
+
+    def _connect(self, desc: EngineDesc) -> None:
+        try:
+            info = msgspec.msgpack.decode(desc.backend_data, type=CudaEngineInfo)
+        except msgspec.DecodeError as exc:
+            raise ConfigError(f"peer {desc.key!r}: its descriptor carries no cuda_ipc engine data") from exc
+        self._peer_info[desc.key] = info
+        self._imports.setdefault(desc.key, {})
+        self._inflight.setdefault(desc.key, [])
+
+    def _disconnect(self, desc: EngineDesc, reason: PeerLost) -> None:
+        transfers = self._inflight.pop(desc.key, [])
+        for t in transfers:
+            t.fail(reason)
+        # A running kernel may still touch the mappings: let it finish before unmapping.
+        for t in transfers:
+            t.event.synchronize()
+        for (_, device_index), (base, _) in self._imports.pop(desc.key, {}).items():
+            cuda_memory.close_handle(base, device_index)
+        self._ptrs = {k: v for k, v in self._ptrs.items() if k[0] != desc.key}
+        self._peer_info.pop(desc.key, None)
+
+    def _same_process(self, peer_key: str) -> bool:
+        return self._peer_info[peer_key].process_id == _PROCESS_ID
+
+    def _peer_alive(self, peer_key: str, *, thorough: bool = True) -> bool:
+        info = self._peer_info.get(peer_key)
+        if info is None or info.process_id == _PROCESS_ID or info.pid_namespace != _pid_namespace():
+            return True
+        return pid_alive(info.pid, zombie_is_dead=thorough)
+
+    def _remote_ptr(self, peer: EngineDesc, remote_mem: MemoryDesc, device_index: int) -> int:
+        """The address, usable by kernels on ``device_index``, of the remote region's first byte."""
+        cache_key = (peer.key, peer.epoch, remote_mem.mem_id, remote_mem.num_bytes, device_index)
+        ptr = self._ptrs.get(cache_key)
+        if ptr is not None:
+            return ptr
+        region = msgspec.msgpack.decode(remote_mem.backend_data, type=cuda_memory.CudaRegion)
+        remote_index = index_of_uuid(region.device_uuid)
+        if self._same_process(peer.key):
+            enable_peer_access(device_index, remote_index)
+            with torch.cuda.device(remote_index):
+                base, size = cuda_memory.allocation_range(region.ptr)
+            offset = region.ptr - base
+        else:
+            imports = self._imports[peer.key]
+            mapping = imports.get((region.handle, device_index))
+            if mapping is None:
+                mapping = imports[(region.handle, device_index)] = cuda_memory.open_handle(
+                    region.handle, device_index
+                )
+            base, size = mapping
+            offset = region.offset
+        # The descriptor's size was checked against the offsets; check it against the real memory.
+        if offset + remote_mem.num_bytes > size:
+            raise SegmentOutOfBounds(
+                f"region {remote_mem.mem_id} of {peer.key!r} claims {remote_mem.num_bytes} bytes at "
+                f"offset {offset}, but the mapped allocation holds {size}; its descriptor is "
+                "corrupt or stale: reconnect to the peer"
+            )
+        ptr = base + offset
+        self._ptrs[cache_key] = ptr
+        return ptr
+
+    # -- transfers ------------------------------------------------------------------------------
+
+    def read(
+        self,
+        local_mem: MemoryDesc,
+        remote_mem: MemoryDesc,
+        local_offsets: Any,
+        remote_offsets: Any,
+        sizes: Any,
+        *,
+        after: torch.cuda.Event | torch.cuda.Stream | None = None,
+    ) -> Transfer:
+        """Pull remote segments into local memory on the local GPU; ``after``: start after it."""
+        self._tls.after = after
+        try:
+            return super().read(local_mem, remote_mem, local_offsets, remote_offsets, sizes)
+        finally:
+            self._tls.after = None
+
+    def write(
+        self,
+        local_mem: MemoryDesc,
+        remote_mem: MemoryDesc,
+        local_offsets: Any,
+        remote_offsets: Any,
+        sizes: Any,
+        *,
+        after: torch.cuda.Event | torch.cuda.Stream | None = None,
+    ) -> Transfer:
+        """Push local segments into remote memory from the local GPU; ``after``: start after it."""
+        self._tls.after = after
+        try:
+            return super().write(local_mem, remote_mem, local_offsets, remote_offsets, sizes)
+        finally:
+            self._tls.after = None
+
+    def _transfer(
+        self,
+        op: str,
+        local: torch.Tensor,
+        local_mem: MemoryDesc,
+        peer: EngineDesc,
+        remote_mem: MemoryDesc,
+        local_offsets: np.ndarray,
+        remote_offsets: np.ndarray,
+        sizes: np.ndarray,
+    ) -> Transfer:
+        device = local.device
+        assert device.index is not None
+        if not self._peer_alive(peer.key, thorough=False):
+            raise PeerLost(f"peer {peer.key!r} (pid {self._peer_info[peer.key].pid}) has exited")
+        remote_ptr = self._remote_ptr(peer, remote_mem, device.index)
+        if op == "read":
+            src, dst, src_off, dst_off = remote_ptr, local.data_ptr(), remote_offsets, local_offsets
+        else:
+            src, dst, src_off, dst_off = local.data_ptr(), remote_ptr, local_offsets, remote_offsets
+        lane = self._lane(device)
+        after: torch.cuda.Event | torch.cuda.Stream | None = getattr(self._tls, "after", None)
+        total = int(sizes.sum())
+        with lane.lock, torch.cuda.device(device.index):
+            if isinstance(after, torch.cuda.Event):
+                lane.stream.wait_event(after)
+            else:
+                lane.stream.wait_stream(after if after is not None else torch.cuda.current_stream(device))
+            with torch.cuda.stream(lane.stream):
+                if total == 0:
+                    pass
+                elif total < self.config.cuda_ipc.small_transfer_bytes:
+                    lane.copier.copy_each(src, dst, src_off, dst_off, sizes)
+                else:
+                    lane.copier.copy(src, dst, src_off, dst_off, sizes)
+                event = torch.cuda.Event()
+                event.record(lane.stream)
+        transfer = CudaTransfer(total, int(sizes.size), peer.key, event, lambda: self._peer_alive(peer.key))
+        with self._lock:
+            inflight = self._inflight.setdefault(peer.key, [])
+            inflight[:] = [t for t in inflight if not t.event.query()]
+            inflight.append(transfer)
+        return transfer
+
+    def _close(self) -> None:
+        for lane in self._lanes.values():
+            lane.stream.synchronize()
+        self._lanes.clear()

@@ -1,0 +1,99 @@
+"""GPU memory that cuda_ipc can export: dedicated allocations, IPC export and import.
+
+A registered tensor is exported as the CUDA IPC handle of the allocation holding it plus the offset
+of the tensor inside that allocation (a tensor of torch's caching allocator is usually inside a
+bigger segment). ``CudaRegion`` travels in ``MemoryDesc.backend_data`` as msgpack. An importer in
+another process opens the handle; one in the same process (tests, benchmarks, two engines in one
+process) cannot, and uses the exporter's pointer directly.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from typing import Any
+
+import msgspec
+import torch
+
+from moriio_ray.errors import ConfigError, IncompatiblePeer
+from moriio_ray.transfer.cuda_kernels import cupy_module
+
+
+class CudaRegion(msgspec.Struct, frozen=True):
+    """What a peer needs to map one registered GPU region."""
+
+    handle: bytes  # cudaIpcMemHandle_t of the allocation holding the region
+    offset: int  # the region's first byte inside that allocation
+    ptr: int  # the region's address in the exporting process (used by same-process peers)
+    device_uuid: str
+
+
+@functools.lru_cache(maxsize=1)
+def _libcuda() -> Any:
+    return ctypes.CDLL("libcuda.so.1")
+
+
+def allocation_range(ptr: int) -> tuple[int, int]:
+    """(base address, size in bytes) of the device allocation containing ``ptr`` (current context)."""
+    base = ctypes.c_uint64(0)
+    size = ctypes.c_size_t(0)
+    fn = _libcuda().cuMemGetAddressRange_v2
+    fn.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t), ctypes.c_uint64]
+    rc = fn(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr))
+    if rc != 0:
+        raise ConfigError(f"tensor: address {ptr:#x} is not device memory of this process (CUDA error {rc})")
+    return int(base.value), int(size.value)
+
+
+def allocate(num_bytes: int, device: torch.device) -> torch.Tensor:
+    """A zeroed uint8 tensor in its own cudaMalloc allocation (exportable; freed when the tensor dies)."""
+    cp = cupy_module()
+    assert device.index is not None
+    with cp.cuda.Device(device.index):
+        mem = cp.cuda.memory.Memory(max(num_bytes, 1))
+        array = cp.ndarray((num_bytes,), dtype=cp.uint8, memptr=cp.cuda.MemoryPointer(mem, 0))
+        tensor = torch.from_dlpack(array)  # keeps ``array`` (and so the allocation) alive
+    tensor.zero_()
+    return tensor
+
+
+def export_region(tensor: torch.Tensor, device_uuid: str) -> CudaRegion:
+    """The IPC description of a contiguous GPU tensor."""
+    cp = cupy_module()
+    assert tensor.device.index is not None
+    ptr = tensor.data_ptr()
+    with cp.cuda.Device(tensor.device.index):
+        base, _ = allocation_range(ptr)
+        try:
+            handle = bytes(cp.cuda.runtime.ipcGetMemHandle(base))
+        except cp.cuda.runtime.CUDARuntimeError as exc:
+            raise ConfigError(
+                f"tensor: its memory cannot be exported through CUDA IPC ({exc}); allocate it with "
+                "agent.allocate (expandable segments and managed memory cannot be exported)"
+            ) from exc
+    return CudaRegion(handle=handle, offset=ptr - base, ptr=ptr, device_uuid=device_uuid)
+
+
+def open_handle(handle: bytes, device_index: int) -> tuple[int, int]:
+    """Map a peer's allocation into this process for kernels on ``device_index``: (base, size)."""
+    cp = cupy_module()
+    with cp.cuda.Device(device_index):
+        try:
+            # default flags: cudaIpcMemLazyEnablePeerAccess, so a handle of another GPU works too
+            base = int(cp.cuda.runtime.ipcOpenMemHandle(handle))
+        except cp.cuda.runtime.CUDARuntimeError as exc:
+            raise IncompatiblePeer(
+                f"cannot open the peer's CUDA IPC handle ({exc}); the peer must run on this host with "
+                "its GPU visible here and P2P-reachable from GPU "
+                f"{device_index} (for Ray actors: runtime_env env_vars ray_actor_env())"
+            ) from exc
+        _, size = allocation_range(base)
+    return base, size
+
+
+def close_handle(base: int, device_index: int) -> None:
+    """Unmap what ``open_handle`` mapped."""
+    cp = cupy_module()
+    with cp.cuda.Device(device_index):
+        cp.cuda.runtime.ipcCloseMemHandle(base)
