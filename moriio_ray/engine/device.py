@@ -1,0 +1,37 @@
+"""Device and dtype resolution for the engine (``auto`` means CUDA + bfloat16 when a GPU is visible)."""
+
+from __future__ import annotations
+
+import torch
+
+from moriio_ray.errors import ConfigError
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` -> the current CUDA device if there is one, else CPU; ``cuda`` fails clearly without one."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError("engine.device: 'cuda' was asked for but no CUDA device is visible; use cpu")
+        return torch.device("cuda", torch.cuda.current_device())
+    if name == "cpu":
+        return torch.device("cpu")
+    raise ConfigError(f"engine.device: {name!r} is not one of auto, cpu, cuda")
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``auto`` -> bfloat16 on GPU and float32 on CPU; otherwise the named dtype."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = _DTYPES.get(name)
+    if dtype is None:
+        raise ConfigError(f"model.dtype: {name!r} is not one of auto, {', '.join(_DTYPES)}")
+    return dtype
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The KVLayout name of a torch dtype (``torch.bfloat16`` -> ``"bfloat16"``)."""
+    return str(dtype).removeprefix("torch.")

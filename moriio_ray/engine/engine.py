@@ -1,0 +1,347 @@
+"""Engine: the model, its paged KV cache and the continuous-batching step loop, in one of three roles.
+
+- ``colocated``: ``add_request`` prefills, then decodes until a stop condition.
+- ``prefill``: ``add_request`` prefills and samples the first token; the prompt's blocks stay leased
+  under ``transfer_id == request_id`` for a peer to read, until ``release`` or lease + grace expiry.
+- ``decode``: ``reserve`` allocates blocks for a prompt whose KV a transfer writes into ``kv_cache``;
+  ``start_decode`` then joins the request to continuous batching after its first token.
+
+Every public method holds one lock, so a runtime may drive ``step`` from a worker thread while
+another thread calls ``release`` or ``abort``.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from moriio_ray.config import EngineConfig, ModelConfig
+from moriio_ray.engine.block_allocator import BlockAllocator
+from moriio_ray.engine.device import resolve_device, resolve_dtype
+from moriio_ray.engine.kv_cache import KVCache
+from moriio_ray.engine.loader import load_model, model_args, resolve_max_model_len
+from moriio_ray.engine.outputs import PrefillResult, StepOutput
+from moriio_ray.engine.runner import ModelRunner
+from moriio_ray.engine.sampler import SamplingRow, row_key, sample
+from moriio_ray.engine.sampling import SamplingParams
+from moriio_ray.engine.scheduler import Scheduler
+from moriio_ray.engine.sequence import SeqState, Sequence, blocks_for
+from moriio_ray.engine.stopping import check_stop, truncate_at_stop
+from moriio_ray.engine.tokenizer import load_tokenizer
+from moriio_ray.errors import CapacityError, ConfigError, InvalidRequest
+
+if TYPE_CHECKING:
+    from moriio_ray.transfer.base import TransferAgent
+
+log = logging.getLogger(__name__)
+
+ROLES = ("prefill", "decode", "colocated")
+LayerHook = Callable[[int, list[str]], None]
+
+
+class Engine:
+    """A Llama/Qwen-family engine over a paged KV cache (see the module docstring for the roles)."""
+
+    def __init__(
+        self,
+        model: ModelConfig,
+        engine: EngineConfig,
+        *,
+        role: str,
+        agent: TransferAgent | None = None,
+        lease_grace_s: float = 5.0,
+        lease_s: float = 30.0,
+    ) -> None:
+        if role not in ROLES:
+            raise ConfigError(f"role: {role!r} is not one of {', '.join(ROLES)}")
+        self.role = role
+        self.lease_s = lease_s
+        self.lease_grace_s = lease_grace_s
+        self.device = resolve_device(engine.device)
+        self.dtype = resolve_dtype(model.dtype, self.device)
+        self.args = model_args(model)
+        self.max_model_len = resolve_max_model_len(self.args, model.max_model_len)
+        self.model = load_model(model, self.device, self.dtype, self.max_model_len)
+        self.tokenizer = load_tokenizer(model)
+        self.cache = KVCache(self.args, engine, self.dtype, self.device, agent)
+        self.kv_cache: torch.Tensor = self.cache.tensor
+        self.kv_mem = self.cache.mem
+        self.layout = self.cache.layout
+        self.block_size = engine.block_size
+        self.allocator = BlockAllocator(self.layout.num_blocks)
+        self.scheduler = Scheduler(
+            self.allocator, engine.block_size, engine.max_num_seqs, engine.max_num_batched_tokens
+        )
+        self.runner = ModelRunner(self.model, self.cache, self.device)
+        self._seqs: dict[str, Sequence] = {}
+        self._pending: list[StepOutput] = []  # outputs produced outside step(), returned by the next one
+        self._layer_hook: LayerHook | None = None
+        self._lock = threading.RLock()
+
+    # -- admission ------------------------------------------------------------------------------
+
+    def _check_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequest(f"params: expected SamplingParams, got {type(params).__name__}")
+        if not request_id or request_id in self._seqs or self.allocator.get_lease(request_id):
+            raise InvalidRequest(f"request_id: {request_id!r} is empty or already in use; use a unique id")
+        if not prompt:
+            raise InvalidRequest("prompt_token_ids: the prompt is empty; send at least one token")
+        vocab = self.args.vocab_size
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
+            raise InvalidRequest(f"prompt_token_ids: every id must be an integer in 0..{vocab - 1}")
+        if len(prompt) >= self.max_model_len:
+            raise CapacityError(
+                f"prompt of {len(prompt)} tokens leaves no room to generate within max_model_len "
+                f"{self.max_model_len}; shorten it"
+            )
+        # the last sampled token is never fed back, so at most total - 1 tokens are ever cached
+        total = min(len(prompt) + params.max_tokens, self.max_model_len)
+        cached = len(prompt) if self.role == "prefill" else total - 1
+        need = blocks_for(cached, self.block_size)
+        if need > self.allocator.num_blocks:
+            raise CapacityError(
+                f"{cached} tokens need {need} KV blocks of {self.block_size} tokens; this engine has "
+                f"{self.allocator.num_blocks}; shorten the prompt or max_tokens"
+            )
+
+    def _new_seq(self, request_id: str, prompt: list[int], params: SamplingParams) -> Sequence:
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        seq = Sequence(request_id, list(prompt), params, seed, prefill_only=self.role == "prefill")
+        self._seqs[request_id] = seq
+        return seq
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        lease_s: float | None = None,
+    ) -> None:
+        """Queue a request: prefill (and, unless the role is prefill, decode) it in later steps.
+
+        On a prefill engine its blocks are leased for ``lease_s`` (default: the engine's) after the
+        prefill. Raises CapacityError when it can never fit, InvalidRequest for bad input.
+        """
+        with self._lock:
+            self._check_request(request_id, prompt_token_ids, params)
+            seq = self._new_seq(request_id, prompt_token_ids, params)
+            seq.lease_s = lease_s
+            self.scheduler.add(seq)
+
+    def reserve(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> list[int] | None:
+        """Decode role: blocks for a prompt whose KV a transfer writes in; None if short right now."""
+        with self._lock:
+            if self.role == "prefill":
+                raise InvalidRequest("reserve: a prefill engine takes no injected KV; use a decode engine")
+            self._check_request(request_id, prompt_token_ids, params)
+            need = blocks_for(len(prompt_token_ids), self.block_size)
+            if not self.allocator.can_allocate(need):
+                return None
+            seq = self._new_seq(request_id, prompt_token_ids, params)
+            seq.state = SeqState.RESERVED
+            seq.block_table = self.allocator.allocate(need)
+            return list(seq.block_table)
+
+    def _reserved(self, request_id: str) -> Sequence:
+        seq = self._seqs.get(request_id)
+        if seq is None or seq.state is not SeqState.RESERVED:
+            raise InvalidRequest(f"request_id: {request_id!r} holds no reservation; call reserve first")
+        return seq
+
+    def start_decode(self, request_id: str, first_token: int, first_logprob: float | None = None) -> None:
+        """Decode role: the reserved prompt's KV is in place; decode from ``first_token`` on."""
+        with self._lock:
+            seq = self._reserved(request_id)
+            if not isinstance(first_token, int) or not 0 <= first_token < self.args.vocab_size:
+                raise InvalidRequest(f"first_token: {first_token!r} is not a token id of this model")
+            if seq.params.logprobs and first_logprob is None:
+                raise InvalidRequest(
+                    "first_logprob: the request wants logprobs; pass PrefillResult.first_logprob"
+                )
+            seq.num_cached = seq.num_prompt_tokens
+            seq.output_ids = [first_token]
+            seq.pending_ids = [first_token]
+            want = seq.params.logprobs and first_logprob is not None
+            seq.pending_logprobs = [first_logprob] if want and first_logprob is not None else []
+            reason = check_stop(seq, self.tokenizer, self.max_model_len)
+            if reason is None:
+                self.scheduler.add(seq)
+                return
+            self._drop(seq)
+            lps = seq.pending_logprobs if seq.params.logprobs else None
+            self._pending.append(
+                StepOutput(
+                    request_id=request_id,
+                    new_token_ids=[first_token],
+                    finished=True,
+                    finish_reason=reason,
+                    logprobs=lps,
+                )
+            )
+
+    def prefill_into_reserved(self, request_id: str) -> None:
+        """Decode role, transfer failed: compute the prompt locally into its reserved blocks, then decode."""
+        with self._lock:
+            seq = self._reserved(request_id)
+            seq.num_cached = 0
+            self.scheduler.add(seq)
+
+    # -- the step loop --------------------------------------------------------------------------
+
+    def step(self) -> list[StepOutput]:
+        """Run one scheduled batch (prefill or decode) and return the new tokens of its requests."""
+        with self._lock:
+            self._expire_leases()
+            outputs, self._pending = self._pending, []
+            batch = self.scheduler.schedule()
+            if batch is None:
+                return outputs
+            hook = self._layer_hook
+            ids = [seq.request_id for seq in batch.seqs]
+            layer_hook = (lambda i: hook(i, ids)) if hook is not None and batch.is_prefill else None
+            logits = self.runner.run(batch, layer_hook)
+            rows = [
+                SamplingRow(
+                    seq.params.temperature,
+                    seq.params.top_k,
+                    seq.params.top_p,
+                    row_key(seq.seed, len(seq.output_ids)),
+                    seq.params.logprobs,
+                )
+                for seq in batch.seqs
+            ]
+            tokens, logprobs = sample(logits, rows)
+            for seq, token, logprob in zip(batch.seqs, tokens, logprobs, strict=True):
+                outputs.append(self._advance(seq, token, logprob))
+            return outputs
+
+    def _advance(self, seq: Sequence, token: int, logprob: float | None) -> StepOutput:
+        seq.num_cached = seq.num_tokens
+        seq.output_ids.append(token)
+        ids, seq.pending_ids = [*seq.pending_ids, token], []
+        lps = [*seq.pending_logprobs, logprob] if logprob is not None else None
+        seq.pending_logprobs = []
+        reason = check_stop(seq, self.tokenizer, self.max_model_len)
+        out = StepOutput(
+            request_id=seq.request_id,
+            new_token_ids=ids,
+            finished=reason is not None,
+            finish_reason=reason,
+            logprobs=lps,
+        )
+        if seq.prefill_only:
+            out.finished, out.prefill = True, self._lease_prompt(seq, token, logprob)
+        if out.finished:
+            self.scheduler.finish(seq)
+            del self._seqs[seq.request_id]
+        return out
+
+    def _lease_prompt(self, seq: Sequence, first_token: int, first_logprob: float | None) -> PrefillResult:
+        lease_s = seq.lease_s if seq.lease_s is not None else self.lease_s
+        block_ids = seq.block_table[: blocks_for(seq.num_prompt_tokens, self.block_size)]
+        deadline_s = time.monotonic() + lease_s
+        self.allocator.lease(seq.request_id, block_ids, deadline_s)
+        return PrefillResult(
+            block_ids=list(block_ids),
+            num_tokens=seq.num_prompt_tokens,
+            first_token=first_token,
+            lease_deadline_s=deadline_s,
+            lease_deadline_unix=time.time() + lease_s,
+            first_logprob=first_logprob,
+        )
+
+    def has_work(self) -> bool:
+        """Whether ``step`` has anything to do (queued, running, or outputs to hand out)."""
+        with self._lock:
+            return bool(self.scheduler.waiting or self.scheduler.running or self._pending)
+
+    # -- freeing --------------------------------------------------------------------------------
+
+    def _drop(self, seq: Sequence) -> None:
+        self.scheduler.remove(seq)
+        self._seqs.pop(seq.request_id, None)
+
+    def abort(self, request_id: str) -> None:
+        """Forget a request wherever it is and free its blocks and lease at once (idempotent).
+
+        No StepOutput follows for it; the caller reports the abort.
+        """
+        with self._lock:
+            seq = self._seqs.get(request_id)
+            if seq is not None:
+                self._drop(seq)
+            self.allocator.release(request_id)
+            self._pending = [o for o in self._pending if o.request_id != request_id]
+
+    def release(self, transfer_id: str) -> bool:
+        """Prefill role: a peer has read the blocks of ``transfer_id``; free them. False if unknown."""
+        with self._lock:
+            return self.allocator.release(transfer_id)
+
+    def sweep_leases(self, now_s: float | None = None) -> list[str]:
+        """Free leases whose deadline plus the grace period lies before ``now_s`` (monotonic clock)."""
+        with self._lock:
+            now = time.monotonic() if now_s is None else now_s
+            return self.allocator.sweep(now, self.lease_grace_s)
+
+    def _expire_leases(self) -> None:
+        if self.allocator.num_leases:
+            for transfer_id in self.sweep_leases():
+                log.warning(
+                    "lease %s expired unreleased after lease + %.1f s grace; blocks freed",
+                    transfer_id,
+                    self.lease_grace_s,
+                )
+
+    # -- introspection --------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, int]:
+        """Exact counters: blocks (free, used, leased, total) and requests (running, waiting, reserved)."""
+        with self._lock:
+            return {
+                "num_free_blocks": self.allocator.num_free,
+                "num_used_blocks": self.allocator.num_used,
+                "num_leased_blocks": self.allocator.num_leased,
+                "num_blocks": self.allocator.num_blocks,
+                "num_running": len(self.scheduler.running),
+                "num_waiting": len(self.scheduler.waiting),
+                "num_reserved": sum(s.state is SeqState.RESERVED for s in self._seqs.values()),
+                "num_preemptions": self.scheduler.num_preemptions,
+            }
+
+    def set_layer_hook(self, hook: LayerHook | None) -> None:
+        """Call ``hook(layer, request_ids)`` in each prefill forward right after that layer's K/V are
+        written (queued on the device: on CUDA the engine does not synchronise; record an event)."""
+        with self._lock:
+            self._layer_hook = hook
+
+    def prefill_blocks(self, request_id: str) -> list[int]:
+        """The block ids holding a request's prompt KV (leased, being prefilled, or reserved)."""
+        with self._lock:
+            lease = self.allocator.get_lease(request_id)
+            if lease is not None:
+                return list(lease.block_ids)
+            seq = self._seqs.get(request_id)
+            if seq is None or not seq.block_table:
+                raise InvalidRequest(f"request_id: {request_id!r} holds no blocks on this engine")
+            return seq.block_table[: blocks_for(seq.num_prompt_tokens, self.block_size)]
+
+    def detokenize(self, token_ids: list[int], params: SamplingParams | None = None) -> str:
+        """Text of ``token_ids``; with ``params``, cut before the first of its stop strings."""
+        text = self.tokenizer.decode(list(token_ids))
+        return truncate_at_stop(text, params.stop) if params is not None and params.stop else text
+
+    def close(self) -> None:
+        """Deregister the KV cache from the agent (the agent is the caller's to close)."""
+        with self._lock:
+            self.cache.close()

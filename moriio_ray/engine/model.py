@@ -1,0 +1,127 @@
+"""The decoder: Llama 2/3/3.x, Mistral, Qwen2/2.5 (qkv bias) and Qwen3 (q/k norm) in one module tree.
+
+Parameter names follow the HF checkpoints, except that q/k/v and gate/up are merged into
+``qkv_proj`` and ``gate_up_proj`` (the loader stacks the checkpoint's pieces). The same code runs on
+CPU and CUDA in float32, bfloat16 and float16.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moriio_ray.engine.arch import ModelArgs
+from moriio_ray.engine.attention import AttnMetadata, paged_decode_attention, prefill_attention, write_kv
+from moriio_ray.engine.layers import RMSNorm, RotaryEmbedding, SwiGLU
+
+KVPair = tuple[torch.Tensor, torch.Tensor]  # a layer's (k_cache, v_cache): [num_blocks, block_size, Hkv, D]
+LayerHook = Callable[[int], None]
+
+
+class Attention(nn.Module):
+    """GQA self-attention that writes its K/V into the paged cache before attending."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
+        self.q_size, self.kv_size = args.q_size, args.kv_size
+        self.qkv_proj = nn.Linear(args.hidden_size, self.q_size + 2 * self.kv_size, bias=args.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, args.hidden_size, bias=args.o_bias)
+        self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        kv: KVPair,
+        meta: AttnMetadata,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(positions, q, k)
+        write_kv(kv[0], kv[1], k, v, meta)
+        if meta.is_prefill:
+            out = prefill_attention(q, k, v, meta)
+        else:
+            out = paged_decode_attention(q, kv[0], kv[1], meta)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.))."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.self_attn = Attention(args)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.mlp = SwiGLU(args.hidden_size, args.intermediate_size, args.mlp_bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        kv: KVPair,
+        meta: AttnMetadata,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    """Embedding, the layer stack and the final norm (HF's ``model.`` prefix)."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList([DecoderLayer(args) for _ in range(args.num_layers)])
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """A decoder-only LM over a paged KV cache.
+
+    ``forward`` runs the packed new tokens of a batch (prefill or decode, as ``meta`` says) and
+    returns their final hidden states; ``compute_logits`` turns selected rows into float32 logits.
+    """
+
+    def __init__(self, args: ModelArgs, max_positions: int) -> None:
+        super().__init__()
+        self.args = args
+        self.model = DecoderModel(args)
+        self.rotary = RotaryEmbedding(args.head_dim, max_positions, args.rope)
+        tied = args.tie_word_embeddings
+        self.lm_head = None if tied else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: Sequence[KVPair],
+        meta: AttnMetadata,
+        layer_hook: LayerHook | None = None,
+    ) -> torch.Tensor:
+        # input_ids, positions [T] -> hidden [T, hidden_size]
+        x = self.model.embed_tokens(input_ids)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, positions, self.rotary, kv_caches[i], meta)
+            if layer_hook is not None:
+                # layer i's K/V for the whole batch are in the cache now (queued on the stream)
+                layer_hook(i)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden [N, hidden_size] -> logits [N, vocab] float32
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()

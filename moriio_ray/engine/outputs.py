@@ -1,0 +1,36 @@
+"""What ``Engine.step`` returns: msgspec Structs, so they pickle for Ray and encode to msgpack."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class PrefillResult(msgspec.Struct, frozen=True, kw_only=True):
+    """A prefill engine's handle on a finished prompt: which blocks hold its KV, and for how long.
+
+    The blocks stay leased under ``transfer_id == request_id`` until ``Engine.release`` or until the
+    lease deadline plus the engine's grace period has passed.
+    """
+
+    block_ids: list[int]
+    num_tokens: int  # prompt tokens whose K/V the blocks hold
+    first_token: int
+    lease_deadline_s: float  # time.monotonic() based, for this process
+    lease_deadline_unix: float  # the same deadline as wall-clock time.time(), for other processes
+    first_logprob: float | None = None
+
+
+class StepOutput(msgspec.Struct, kw_only=True):
+    """New tokens of one request from one step.
+
+    ``finish_reason`` is "stop" (EOS, a stop token or string) or "length" (max_tokens or
+    max_model_len). On a prefill engine every request finishes after its first token with
+    ``prefill`` set; ``finish_reason`` is then None unless the whole request is already complete.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None
+    logprobs: list[float] | None = None
+    prefill: PrefillResult | None = None

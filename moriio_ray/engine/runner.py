@@ -1,0 +1,91 @@
+"""ModelRunner: turns a scheduled Batch into model inputs (ids, positions, slot mapping, block
+tables), runs the forward pass over the paged cache and returns one row of logits per sequence."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from moriio_ray.engine.attention import AttnMetadata
+from moriio_ray.engine.kv_cache import KVCache
+from moriio_ray.engine.model import CausalLM
+from moriio_ray.engine.scheduler import Batch
+from moriio_ray.engine.sequence import Sequence
+
+# Above this many mask elements a mixed-length prefill runs one SDPA call per sequence instead.
+MAX_PREFILL_MASK_ELEMS = 1 << 24
+
+
+class ModelRunner:
+    """Runs the model for one step; owns no scheduling state."""
+
+    def __init__(self, model: CausalLM, kv_cache: KVCache, device: torch.device) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.device = device
+        self.block_size = kv_cache.layout.block_size
+
+    def _tensor(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(array).to(self.device, non_blocking=True)
+
+    def _slots(self, block_tables: list[list[int]], positions: list[np.ndarray]) -> tuple[np.ndarray, ...]:
+        """(block, offset) of every new token, from each sequence's block table and positions."""
+        blocks = [
+            np.asarray(bt, dtype=np.int64)[pos // self.block_size]
+            for bt, pos in zip(block_tables, positions, strict=True)
+        ]
+        return np.concatenate(blocks), np.concatenate(positions) % self.block_size
+
+    def prepare_prefill(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, AttnMetadata]:
+        """Inputs for a prefill of every sequence's tokens from position 0."""
+        seq_lens = [seq.num_tokens for seq in seqs]
+        ids = np.concatenate([np.asarray(seq.token_ids(), dtype=np.int64) for seq in seqs])
+        positions = [np.arange(n, dtype=np.int64) for n in seq_lens]
+        blocks, offsets = self._slots([seq.block_table for seq in seqs], positions)
+        slot_blocks, slot_offsets = self._tensor(blocks), self._tensor(offsets)
+        meta = AttnMetadata(True, slot_blocks, slot_offsets, seq_lens=seq_lens)
+        max_len = meta.max_len
+        if not meta.uniform and len(seqs) * max_len * max_len <= MAX_PREFILL_MASK_ELEMS:
+            pad = np.concatenate([b * max_len + np.arange(n) for b, n in enumerate(seq_lens)])
+            lens = torch.tensor(seq_lens, device=self.device)
+            ar = torch.arange(max_len, device=self.device)
+            causal = ar[None, :] <= ar[:, None]  # [L, L]: query i sees keys j <= i
+            mask = causal[None] & (ar[None, None, :] < lens[:, None, None])  # [B, L, L]
+            meta.pad_index, meta.prefill_mask = self._tensor(pad), mask[:, None]
+        return self._tensor(ids), self._tensor(np.concatenate(positions)), meta
+
+    def prepare_decode(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, AttnMetadata]:
+        """Inputs for one token per sequence: the last token, at position ``num_cached``."""
+        ids = np.asarray([seq.output_ids[-1] if seq.output_ids else seq.prompt_ids[-1] for seq in seqs])
+        pos = np.asarray([seq.num_cached for seq in seqs], dtype=np.int64)
+        max_blocks = max(len(seq.block_table) for seq in seqs)
+        tables = np.zeros((len(seqs), max_blocks), dtype=np.int64)  # padding points at block 0, masked
+        for i, seq in enumerate(seqs):
+            tables[i, : len(seq.block_table)] = seq.block_table
+        blocks = tables[np.arange(len(seqs)), pos // self.block_size]
+        context = self._tensor(pos + 1)
+        span = torch.arange(max_blocks * self.block_size, device=self.device)
+        meta = AttnMetadata(
+            is_prefill=False,
+            slot_blocks=self._tensor(blocks),
+            slot_offsets=self._tensor(pos % self.block_size),
+            block_tables=self._tensor(tables),
+            decode_mask=(span[None, :] < context[:, None])[:, None, None, :],  # [B, 1, 1, S]
+        )
+        return self._tensor(ids.astype(np.int64)), self._tensor(pos), meta
+
+    @torch.inference_mode()
+    def run(self, batch: Batch, layer_hook: Callable[[int], None] | None = None) -> torch.Tensor:
+        """Logits [B, vocab] (float32) for the next token of each sequence in the batch."""
+        if batch.is_prefill:
+            ids, positions, meta = self.prepare_prefill(batch.seqs)
+        else:
+            ids, positions, meta = self.prepare_decode(batch.seqs)
+            layer_hook = None  # the hook reports prefill KV only
+        hidden = self.model(ids, positions, self.kv_cache.layers, meta, layer_hook)
+        if batch.is_prefill:
+            last = self._tensor(np.cumsum(meta.seq_lens) - 1)
+            hidden = hidden[last]
+        return self.model.compute_logits(hidden)

@@ -1,0 +1,94 @@
+"""The batched sampler: greedy, temperature, top-k and top-p over a [B, vocab] logits tensor.
+
+Random rows use the exponential-race form of sampling (argmax of probs / E, E ~ Exp(1)), with E
+drawn from a counter-based hash of (row key, token id) computed in int64 tensor ops. The row key is
+a pure function of (request seed, output position), so the noise, and with it the sampled token,
+is the same on every engine and in every batch composition, on CPU and CUDA alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+_M32 = 0xFFFF_FFFF
+_M64 = 0xFFFF_FFFF_FFFF_FFFF
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E37_79B9_7F4A_7C15) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58_476D_1CE4_E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D0_49BB_1331_11EB) & _M64
+    return x ^ (x >> 31)
+
+
+def row_key(seed: int, position: int) -> int:
+    """The 64-bit noise key of output position ``position`` of a request seeded with ``seed``."""
+    return _splitmix64(_splitmix64(seed & _M64) ^ position)
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    # x holds values in [0, 2**32); every product stays below 2**59, so int64 never overflows
+    x = (((x >> 16) ^ x) * 0x45D9F3B) & _M32
+    x = (((x >> 16) ^ x) * 0x45D9F3B) & _M32
+    return (x >> 16) ^ x
+
+
+def uniform_noise(keys: list[int], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """[B, vocab] float32 uniforms in (0, 1), a pure function of each row's key and the token id."""
+    lo = torch.tensor([k & _M32 for k in keys], dtype=torch.int64, device=device)[:, None]
+    hi = torch.tensor([k >> 32 for k in keys], dtype=torch.int64, device=device)[:, None]
+    ids = torch.arange(vocab_size, dtype=torch.int64, device=device)[None, :]
+    x = _mix32((lo + ids * 0x9E3779B1) & _M32)
+    x = _mix32(x ^ hi)
+    return ((x >> 8).float() + 0.5) * (1.0 / (1 << 24))
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingRow:
+    """One row's settings (greedy when temperature is 0)."""
+
+    temperature: float
+    top_k: int  # <= 0: off
+    top_p: float
+    key: int  # row_key(seed, position)
+    want_logprob: bool
+
+
+def _filter(scaled: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Mask everything outside each row's top-k, then outside its top-p nucleus, to -inf."""
+    vocab = scaled.shape[1]
+    top_k = torch.tensor([r.top_k if r.top_k > 0 else vocab for r in rows], device=scaled.device)
+    top_p = torch.tensor([r.top_p for r in rows], dtype=torch.float32, device=scaled.device)
+    values, order = scaled.sort(dim=-1, descending=True, stable=True)  # [B, V]
+    ranks = torch.arange(vocab, device=scaled.device)[None, :]
+    values = values.masked_fill(ranks >= top_k[:, None], float("-inf"))
+    probs = values.softmax(dim=-1)
+    # drop a token when the tokens ranked above it already hold top_p of the mass (keeps rank 0)
+    values = values.masked_fill(probs.cumsum(dim=-1) - probs > top_p[:, None], float("-inf"))
+    return torch.full_like(scaled, float("-inf")).scatter(1, order, values)
+
+
+def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[float | None]]:
+    """Sampled token ids and (where asked for) their raw log probabilities, for logits [B, V] float32."""
+    greedy = logits.argmax(dim=-1)  # [B]
+    tokens = greedy
+    if any(r.temperature > 0 for r in rows):
+        temps = torch.tensor([r.temperature or 1.0 for r in rows], dtype=torch.float32, device=logits.device)
+        scaled = logits / temps[:, None]
+        if any(r.top_k > 0 or r.top_p < 1.0 for r in rows):
+            scaled = _filter(scaled, rows)
+        noise = -torch.log(uniform_noise([r.key for r in rows], logits.shape[1], logits.device))  # Exp(1)
+        sampled = (scaled.softmax(dim=-1) / noise).argmax(dim=-1)
+        is_greedy = torch.tensor([r.temperature == 0 for r in rows], device=logits.device)
+        tokens = torch.where(is_greedy, greedy, sampled)
+    token_list: list[int] = tokens.tolist()
+    logprobs: list[float | None] = [None] * len(rows)
+    wanted = [i for i, r in enumerate(rows) if r.want_logprob]
+    if wanted:
+        idx = torch.tensor(wanted, device=logits.device)
+        lp = logits[idx].log_softmax(dim=-1).gather(1, tokens[idx][:, None]).squeeze(1).tolist()
+        for i, value in zip(wanted, lp, strict=True):
+            logprobs[i] = value
+    return token_list, logprobs
