@@ -127,6 +127,7 @@ class ShmAgent(TransferAgent):
             transfer.set_error(reason)
 
     def _close(self) -> None:
+        self.release.set()  # a copy parked by the test hook must not outlive the agent
         self._finalizer()  # retire (state 0, unlink) every owned segment
         if self._workers is not None:
             self._workers.close()
@@ -176,6 +177,16 @@ class ShmAgent(TransferAgent):
             if self._workers is None:
                 self._workers = Workers(_NUM_WORKERS, f"shm-copy-{self.key}")
             return self._workers
+
+    def hold_after(self, num_bytes: int) -> tuple[threading.Event, threading.Event]:
+        """Test hook: the next copy of 1 MiB or more parks once ``num_bytes`` have moved.
+
+        Returns (held, release): ``held`` is set when it parks, setting ``release`` lets it go on.
+        """
+        self.held.clear()
+        self.release.clear()
+        self.hold_after_bytes = num_bytes
+        return self.held, self.release
 
     def _hold(self, moved_bytes: int) -> None:
         limit = self.hold_after_bytes

@@ -13,6 +13,7 @@ stalls past ``config.timeout_s`` gives ``TransferTimeout`` and its connection is
 from __future__ import annotations
 
 import socket
+import threading
 import time
 from typing import Any, ClassVar
 
@@ -61,10 +62,16 @@ class TcpAgent(TransferAgent):
             ) from None
         self._workers = Workers(_NUM_WORKERS, f"tcp-client-{key}")
 
-    @property
-    def server(self) -> TcpServer:
-        """This agent's server (tests use its hold hook)."""
-        return self._server
+    def hold_after(self, num_bytes: int) -> tuple[threading.Event, threading.Event]:
+        """Test hook: the next request this agent's server serves parks once ``num_bytes`` have moved.
+
+        Returns (held, release): ``held`` is set when it parks, setting ``release`` lets it go on.
+        """
+        server = self._server
+        server.held.clear()
+        server.release.clear()
+        server.hold_after_bytes = num_bytes
+        return server.held, server.release
 
     # -- backend hooks --------------------------------------------------------------------------
 

@@ -1,0 +1,135 @@
+"""The contract suite for the CPU backends, tcp and shm, plus what is specific to each of them."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+
+from moriio_ray.config import TcpConfig
+from moriio_ray.errors import ConfigError
+from moriio_ray.transfer.shm import sweep_stale_segments
+from moriio_ray.transfer.shm_segment import SHM_DIR
+from tests.contract.harness import Harness, pattern
+from tests.contract.suite import ContractSuite, MiB, finish, host, pair, random_offsets_for
+
+
+class TcpHarness(Harness):
+    backend = "tcp"
+    token_applies = True
+    can_pause_peer = True
+    hold_side = "peer"  # the peer's server parks mid-send
+
+
+class ShmHarness(Harness):
+    backend = "shm"
+    hold_side = "client"  # the caller's copy parks between chunks
+
+
+@pytest.fixture(params=[TcpHarness, ShmHarness], ids=["tcp", "shm"])
+def harness(request: pytest.FixtureRequest) -> Iterator[Harness]:
+    with request.param() as h:
+        yield h
+
+
+class TestContractCpu(ContractSuite):
+    """tcp and shm pass the whole contract."""
+
+
+# -- tcp only ------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("uniform", [True, False], ids=["equal-rows", "split-pieces"])
+def test_tcp_staged_path_moves_the_same_bytes(uniform: bool) -> None:
+    """The GPU staging path (windows, gathers, scatters), forced onto CPU memory with 1 MiB windows.
+
+    Equal aligned segments take the one-gather path; random sizes are split across windows.
+    """
+    with TcpHarness() as h:
+        a = h.make_agent("decode-0", tcp=TcpConfig(staging_bytes=MiB))
+        b = h.make_agent("prefill-0", tcp=TcpConfig(staging_bytes=MiB))
+        a.stage_cpu_memory = b.stage_cpu_memory = True  # type: ignore[attr-defined]
+        ta, ma = h.region(a, 4 * MiB)
+        tb, mb = h.region(b, 4 * MiB, seed=1)
+        a.connect(b.engine_desc())
+        rng = np.random.default_rng(5)
+        if uniform:
+            sz = np.full(700, 4096, dtype=np.int64)
+            lo, ro = (rng.permutation(1024)[:700].astype(np.int64) * 4096 for _ in range(2))
+        else:
+            sz = rng.integers(1, 300_000, 20).astype(np.int64)
+            lo, ro = random_offsets_for(rng, sz, 4 * MiB), random_offsets_for(rng, sz, 4 * MiB)
+        finish(a.read(ma, mb, lo, ro, sz))
+        ref = np.zeros(4 * MiB, np.uint8)
+        for d, s, n in zip(lo.tolist(), ro.tolist(), sz.tolist(), strict=True):
+            ref[d : d + n] = pattern(1, 4 * MiB)[s : s + n]
+        assert np.array_equal(host(ta), ref)
+        ta.copy_(torch.from_numpy(pattern(9, 4 * MiB)))
+        finish(a.write(ma, mb, lo, ro, sz))
+        ref = pattern(1, 4 * MiB)
+        for d, s, n in zip(lo.tolist(), ro.tolist(), sz.tolist(), strict=True):
+            ref[s : s + n] = pattern(9, 4 * MiB)[d : d + n]
+        assert np.array_equal(host(tb), ref)
+
+
+@pytest.mark.timeout(30)
+def test_tcp_reuses_pooled_connections() -> None:
+    with TcpHarness() as h:
+        a, b, _, ma, _, mb = pair(h, MiB)
+        for _ in range(20):
+            finish(a.read(ma, mb, [0], [0], [4096]))
+        served = b._server._conns  # type: ignore[attr-defined]
+        assert 1 <= len(served) <= 4  # one hello per pooled connection, not one per request
+
+
+# -- shm only ------------------------------------------------------------------------------------
+
+
+def _segments_of(pid: int) -> list[str]:
+    return sorted(p.name for p in SHM_DIR.glob(f"moriio-{pid}-*"))
+
+
+@pytest.mark.timeout(30)
+def test_shm_register_accepts_only_its_own_shared_memory() -> None:
+    with ShmHarness() as h:
+        a = h.make_agent("decode-0")
+        with pytest.raises(ConfigError, match=r"allocate through agent\.allocate"):
+            a.register(torch.zeros(4096, dtype=torch.uint8))
+        other = h.make_agent("other")
+        with pytest.raises(ConfigError, match=r"allocate through agent\.allocate"):
+            a.register(other.allocate((4096,), torch.uint8, "cpu"))
+        kv = a.allocate((8, 1024), torch.float16, "cpu")
+        mem = a.register(kv[2:4])  # a slice inside the allocation is fine
+        assert mem.num_bytes == 2 * 1024 * 2
+
+
+@pytest.mark.timeout(30)
+def test_shm_close_unlinks_segments_and_tells_peers() -> None:
+    import os
+
+    with ShmHarness() as h:
+        a, b, _, ma, _, mb = pair(h, MiB)
+        finish(a.read(ma, mb, [0], [0], [4096]))
+        assert len(_segments_of(os.getpid())) == 2
+        b.close()
+        assert len(_segments_of(os.getpid())) == 1
+        with pytest.raises(Exception, match="closed its shared memory"):
+            a.read(ma, mb, [0], [0], [4096])
+        a.close()
+        assert _segments_of(os.getpid()) == []
+
+
+@pytest.mark.timeout(60)
+def test_shm_sweep_unlinks_segments_of_dead_owners() -> None:
+    with ShmHarness() as h:
+        peer = h.spawn_peer("prefill-0", MiB)
+        live = _segments_of(peer.pid)
+        assert len(live) == 1
+        assert live[0] not in sweep_stale_segments()  # its owner is alive: kept
+        peer.kill()  # SIGKILL: no atexit, the segment stays behind
+        assert _segments_of(peer.pid) == live
+        assert live[0] in sweep_stale_segments()
+        assert _segments_of(peer.pid) == []
