@@ -7,6 +7,7 @@ A backend's test module defines a ``harness`` fixture (see ``harness.py``) and a
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -30,7 +31,7 @@ def host(tensor: torch.Tensor) -> np.ndarray:
 
 
 def pair(
-    harness: Harness, num_bytes: int, **config: object
+    harness: Harness, num_bytes: int, **config: Any
 ) -> tuple[TransferAgent, TransferAgent, torch.Tensor, MemoryDesc, torch.Tensor, MemoryDesc]:
     """Agent ``decode-0`` (zeroed region) connected to agent ``prefill-0`` (region = pattern(1))."""
     a = harness.make_agent("decode-0", **config)
