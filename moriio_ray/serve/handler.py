@@ -1,0 +1,275 @@
+"""The OpenAI front end's request handling, independent of Ray Serve (tests drive it directly).
+
+``OpenAIServer.handle(method, path, body)`` returns a ``JSONReply`` or a ``StreamReply``; the Serve
+ingress (``app.py``) only turns those into HTTP responses. A generation request is validated and
+tokenized first (400/404 for bad input), then admitted (429 beyond the bound), then its first
+pipeline event is awaited before any status is sent, so that an unavailable pipeline is a 503 and
+not a broken 200 stream. Closing a stream (or cancelling the task awaiting it) closes the pipeline
+stream, which cancels the request on its workers and frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import msgspec
+
+from moriio_ray.serve.admission import Admission, Slot
+from moriio_ray.serve.errors import APIError, ErrorBody, from_exception, too_large, unavailable
+from moriio_ray.serve.openai import ChatCompletionRequest, CompletionRequest, parse_request
+from moriio_ray.serve.prepare import Limits, Prepared, TokenizerLike, prepare_chat, prepare_completion
+from moriio_ray.serve.responses import SSE_DONE, ChatFormat, CompletionFormat, sse, usage
+
+log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 16 << 20  # a larger body is a 413; 16 MiB holds any prompt a served model accepts
+HEALTH_TIMEOUT_S = 5.0
+STATS_TIMEOUT_S = 15.0
+
+
+class EventLike(Protocol):
+    """What the pipeline streams (``moriio_ray.runtime.pipeline.StreamEvent``)."""
+
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None
+    logprobs: list[float] | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+
+
+class PipelineLike(Protocol):
+    """The part of ``PDPipeline`` the front end uses."""
+
+    tokenizer: TokenizerLike
+
+    def make_request(
+        self,
+        prompt: str | None = None,
+        *,
+        token_ids: list[int] | None = None,
+        params: Any = None,
+        request_id: str | None = None,
+    ) -> Any: ...
+
+    def stream_request(self, req: Any) -> AsyncIterator[Any]: ...
+
+    async def stats_async(self) -> dict[str, Any]: ...
+
+
+@dataclass
+class JSONReply:
+    status: int
+    body: bytes
+
+
+@dataclass
+class StreamReply:
+    """An SSE stream. ``close`` must run however the response ends (it is idempotent)."""
+
+    frames: AsyncIterator[bytes]
+    close: Callable[[], Awaitable[None]]
+
+
+Reply = JSONReply | StreamReply
+Format = CompletionFormat | ChatFormat
+
+
+def error_reply(err: APIError) -> JSONReply:
+    return JSONReply(err.status, err.body())
+
+
+class OpenAIServer:
+    """Routes and serves the OpenAI endpoints over one pipeline."""
+
+    def __init__(
+        self,
+        pipe: PipelineLike,
+        limits: Limits,
+        *,
+        max_ongoing_requests: int,
+        request_timeout_s: float,
+        live_roles: Callable[[], Awaitable[dict[str, int]]],
+    ) -> None:
+        self.pipe = pipe
+        self.limits = limits
+        self.admission = Admission(max_ongoing_requests)
+        self.request_timeout_s = request_timeout_s
+        self.live_roles = live_roles
+        self.started_unix = int(time.time())
+
+    async def handle(self, method: str, path: str, body: bytes) -> Reply:
+        """Serve one HTTP request; every failure becomes an OpenAI-shaped error reply."""
+        try:
+            return await self._route(method, path.rstrip("/") or "/", body)
+        except APIError as err:
+            return error_reply(err)
+
+    async def _route(self, method: str, path: str, body: bytes) -> Reply:
+        routes: dict[str, tuple[str, Callable[[bytes], Awaitable[Reply]]]] = {
+            "/v1/completions": ("POST", self.completions),
+            "/v1/chat/completions": ("POST", self.chat_completions),
+            "/v1/models": ("GET", self.models),
+            "/health": ("GET", self.health),
+            "/stats": ("GET", self.stats),
+        }
+        if path not in routes:
+            raise APIError(404, f"no route {path}; see /v1/models", code="not_found")
+        want, fn = routes[path]
+        if method != want:
+            raise APIError(405, f"{path} takes {want}, not {method}", code="method_not_allowed")
+        if len(body) > MAX_BODY_BYTES:
+            raise too_large(len(body), MAX_BODY_BYTES)
+        return await fn(body)
+
+    # -- generation -----------------------------------------------------------------------------
+
+    async def completions(self, body: bytes) -> Reply:
+        req = parse_request(body, CompletionRequest)
+        prepared = self._prepare(lambda: prepare_completion(req, self.pipe.tokenizer, self.limits))
+        fmt = CompletionFormat(self.limits.model_name, self.pipe.tokenizer.decode, logprobs=req.logprobs == 0)
+        return await self._generate(prepared, fmt, stream=req.stream, include_usage=req.include_usage)
+
+    async def chat_completions(self, body: bytes) -> Reply:
+        req = parse_request(body, ChatCompletionRequest)
+        prepared = self._prepare(lambda: prepare_chat(req, self.pipe.tokenizer, self.limits))
+        fmt = ChatFormat(self.limits.model_name, self.pipe.tokenizer.decode, logprobs=req.logprobs)
+        return await self._generate(prepared, fmt, stream=req.stream, include_usage=req.include_usage)
+
+    def _prepare(self, fn: Callable[[], Prepared]) -> Prepared:
+        try:
+            return fn()
+        except Exception as exc:  # the tokenizer or chat template can raise on odd input
+            raise from_exception(exc, validating=True) from None
+
+    async def _generate(self, prepared: Prepared, fmt: Format, *, stream: bool, include_usage: bool) -> Reply:
+        try:
+            gen_req = self.pipe.make_request(
+                token_ids=prepared.token_ids, params=prepared.params, request_id=fmt.id
+            )
+        except Exception as exc:
+            raise from_exception(exc, validating=True) from None
+        slot = self.admission.acquire()
+        deadline = _Deadline(self.request_timeout_s)
+        events = self.pipe.stream_request(gen_req)
+        try:
+            first = await deadline.next(events)
+        except BaseException as exc:
+            await _close(events, slot)
+            if isinstance(exc, Exception):
+                raise from_exception(exc, validating=False) from None
+            raise
+        if stream:
+            frames = self._frames(fmt, first, events, deadline, include_usage, slot)
+            return StreamReply(frames=frames, close=lambda: _close(events, slot, frames))
+        try:
+            return JSONReply(200, await self._whole(fmt, first, events, deadline))
+        except Exception as exc:
+            raise from_exception(exc, validating=False) from None
+        finally:
+            await _close(events, slot)
+
+    async def _whole(self, fmt: Format, event: Any, events: AsyncIterator[Any], deadline: _Deadline) -> bytes:
+        ids, texts, logprobs = [*event.token_ids], [event.text], [*(event.logprobs or [])]
+        while not event.finished:
+            event = await deadline.next(events)
+            ids.extend(event.token_ids)
+            texts.append(event.text)
+            logprobs.extend(event.logprobs or [])
+        use = usage(event.num_prompt_tokens, event.num_output_tokens)
+        lps = logprobs if len(logprobs) == len(ids) else None
+        return fmt.whole("".join(texts), ids, lps, event.finish_reason, use)
+
+    async def _frames(
+        self,
+        fmt: Format,
+        event: Any,
+        events: AsyncIterator[Any],
+        deadline: _Deadline,
+        include_usage: bool,
+        slot: Slot,
+    ) -> AsyncIterator[bytes]:
+        try:
+            try:
+                if isinstance(fmt, ChatFormat):
+                    yield fmt.role_chunk()
+                while True:
+                    reason = event.finish_reason if event.finished else None
+                    yield fmt.chunk(event.text, event.token_ids, event.logprobs, reason)
+                    if event.finished:
+                        break
+                    event = await deadline.next(events)
+                if include_usage:
+                    yield fmt.usage_chunk(usage(event.num_prompt_tokens, event.num_output_tokens))
+            except Exception as exc:  # the status is already sent: report in the stream, then end it
+                err = from_exception(exc, validating=False)
+                log.warning("stream %s failed: %s", fmt.id, err)
+                yield sse(ErrorBody(error=err.info))
+            yield SSE_DONE
+        finally:
+            await _close(events, slot)
+
+    # -- the rest -------------------------------------------------------------------------------
+
+    async def models(self, body: bytes) -> Reply:
+        card = {
+            "id": self.limits.model_name,
+            "object": "model",
+            "created": self.started_unix,
+            "owned_by": "moriio-ray",
+            "max_model_len": self.limits.max_model_len,
+        }
+        return JSONReply(200, msgspec.json.encode({"object": "list", "data": [card]}))
+
+    async def health(self, body: bytes) -> Reply:
+        """200 when the pool has live prefill and decode workers (or colocated ones), else 503."""
+        try:
+            roles = await asyncio.wait_for(self.live_roles(), HEALTH_TIMEOUT_S)
+        except Exception as exc:
+            raise unavailable(f"the pipeline's coordinator did not answer: {exc!r}") from None
+        ok = roles.get("colocated", 0) > 0 or (roles.get("prefill", 0) > 0 and roles.get("decode", 0) > 0)
+        if not ok:
+            raise unavailable(f"the pool has no complete set of live workers: {roles}")
+        return JSONReply(200, msgspec.json.encode({"status": "ok", "workers": roles}))
+
+    async def stats(self, body: bytes) -> Reply:
+        """The pipeline's per-worker counters plus this replica's admission counters."""
+        try:
+            stats = await asyncio.wait_for(self.pipe.stats_async(), STATS_TIMEOUT_S)
+        except Exception as exc:
+            raise unavailable(f"the pipeline's stats are unavailable: {exc!r}") from None
+        stats["ingress"] = self.admission.stats()
+        return JSONReply(200, msgspec.json.encode(stats))
+
+
+class _Deadline:
+    """One request's overall deadline, applied to each await on its event stream."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.end_s = time.monotonic() + timeout_s
+
+    async def next(self, events: AsyncIterator[Any]) -> Any:
+        left_s = self.end_s - time.monotonic()
+        try:
+            return await asyncio.wait_for(events.__anext__(), max(left_s, 0.0))
+        except asyncio.TimeoutError:
+            raise unavailable(f"the request did not finish within {self.timeout_s} s") from None
+        except StopAsyncIteration:
+            raise unavailable("the pipeline ended the stream without finishing the request") from None
+
+
+async def _close(events: AsyncIterator[Any], slot: Slot, frames: AsyncIterator[bytes] | None = None) -> None:
+    """Close the SSE frames, then the pipeline stream (cancelling the request), then free the slot."""
+    try:
+        if frames is not None:
+            await frames.aclose()  # type: ignore[attr-defined]
+        await events.aclose()  # type: ignore[attr-defined]
+    finally:
+        slot.release()
