@@ -1,0 +1,118 @@
+"""Prefill on one engine, a block copy planned by plan_blocks, decode on another: exactly the
+colocated tokens, greedy and with seeded temperature sampling, in both layouts and across them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_helpers import (
+    BLOCK_SIZE,
+    copy_blocks,
+    disaggregated,
+    prompts_for_block_size,
+    run_to_end,
+    tiny_engine,
+)
+
+from moriio_ray.engine.sampling import SamplingParams
+
+
+def _colocated(prompts: list[list[int]], params: list[SamplingParams], layout: str = "layer_major"):
+    engine = tiny_engine(layout=layout)
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        engine.add_request(f"r{i}", prompt, p)
+    return run_to_end(engine)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("p_layout", "d_layout"),
+    [("layer_major", "layer_major"), ("block_major", "block_major"), ("layer_major", "block_major")],
+)
+def test_pd_greedy_equals_colocated(p_layout: str, d_layout: str) -> None:
+    prompts = prompts_for_block_size(BLOCK_SIZE, count=20)
+    assert {1, BLOCK_SIZE, 2 * BLOCK_SIZE, BLOCK_SIZE + 1} <= {len(p) for p in prompts}
+    params = [SamplingParams(max_tokens=10, ignore_eos=True, logprobs=True)] * len(prompts)
+    prefill, decode = tiny_engine("prefill", layout=p_layout), tiny_engine("decode", layout=d_layout)
+    start_p, start_d = prefill.stats(), decode.stats()
+    got = disaggregated(prefill, decode, prompts, params)
+    want = _colocated(prompts, params)
+    assert set(got) == set(want) and len(want) == 20
+    for rid in want:
+        assert got[rid].tokens == want[rid].tokens, rid
+        assert got[rid].finish_reason == want[rid].finish_reason == "length"
+        assert len(got[rid].logprobs) == 10
+        torch.testing.assert_close(got[rid].logprobs, want[rid].logprobs, atol=1e-4, rtol=0)
+    assert prefill.stats() == start_p and decode.stats() == start_d
+
+
+@pytest.mark.timeout(60)
+def test_pd_seeded_temperature_equals_colocated() -> None:
+    prompts = prompts_for_block_size(BLOCK_SIZE, count=20, seed=1)
+    params = [
+        SamplingParams(max_tokens=12, temperature=t, top_k=k, top_p=p, seed=100 + i, ignore_eos=True)
+        for i, (t, k, p) in enumerate([(1.5, -1, 1.0), (2.0, 20, 1.0), (3.0, -1, 0.9), (2.5, 50, 0.95)] * 5)
+    ]
+    got = disaggregated(tiny_engine("prefill"), tiny_engine("decode"), prompts, params)
+    want = _colocated(prompts, params)
+    greedy = _colocated(prompts, [SamplingParams(max_tokens=12, ignore_eos=True)] * len(prompts))
+    for rid in want:
+        assert got[rid].tokens == want[rid].tokens, rid
+    # the sampling is really random: it departs from greedy
+    assert sum(want[r].tokens != greedy[r].tokens for r in want) >= 15
+
+
+@pytest.mark.timeout(60)
+def test_layer_hook_sees_each_layer_written() -> None:
+    """WRITE mode: when the hook runs for layer i, layer i's K/V are final and layer i+1's not yet written."""
+    engine = tiny_engine("prefill")
+    prompt = prompts_for_block_size(BLOCK_SIZE, count=6, seed=2)[5]
+    engine.add_request("r", prompt, SamplingParams(max_tokens=4))
+    snapshots: list[tuple[int, list[str], list[torch.Tensor]]] = []
+
+    def hook(layer: int, request_ids: list[str]) -> None:
+        blocks = engine.prefill_blocks("r")
+        snapshots.append((layer, request_ids, [k[blocks].clone() for k, _ in engine.cache.layers]))
+
+    engine.set_layer_hook(hook)
+    run_to_end(engine)
+    num_layers = engine.layout.num_layers
+    assert [s[0] for s in snapshots] == list(range(num_layers)) and all(s[1] == ["r"] for s in snapshots)
+    blocks = engine.prefill_blocks("r")
+    final = [k[blocks] for k, _ in engine.cache.layers]
+    for layer, _, seen in snapshots:
+        torch.testing.assert_close(seen[layer], final[layer], rtol=0, atol=0)
+        if layer + 1 < num_layers:
+            assert seen[layer + 1].abs().sum() == 0
+
+
+@pytest.mark.timeout(60)
+def test_recompute_fallback_equals_colocated() -> None:
+    """A decode engine whose transfer failed recomputes the prompt into its reserved blocks."""
+    prompts = prompts_for_block_size(BLOCK_SIZE, count=6, seed=4)
+    params = SamplingParams(max_tokens=8, temperature=2.0, seed=7, ignore_eos=True)
+    decode = tiny_engine("decode")
+    for i, prompt in enumerate(prompts):
+        assert decode.reserve(f"r{i}", prompt, params) is not None
+        decode.prefill_into_reserved(f"r{i}")
+    got = run_to_end(decode)
+    want = _colocated(prompts, [params] * len(prompts))
+    assert {r: v.tokens for r, v in got.items()} == {r: v.tokens for r, v in want.items()}
+    assert decode.stats()["num_free_blocks"] == decode.stats()["num_blocks"]
+
+
+@pytest.mark.timeout(60)
+def test_first_token_that_stops_finishes_on_decode() -> None:
+    prompt = [5, 6, 7]
+    prefill, decode = tiny_engine("prefill"), tiny_engine("decode")
+    params = SamplingParams(max_tokens=1)
+    prefill.add_request("r", prompt, params)
+    out = run_to_end(prefill)["r"]
+    assert out.finished and out.finish_reason == "length" and out.prefill is not None
+    blocks = decode.reserve("r", prompt, params)
+    assert blocks is not None
+    copy_blocks(prefill, out.prefill.block_ids, decode, blocks)
+    decode.start_decode("r", out.prefill.first_token)
+    res = run_to_end(decode)["r"]
+    assert res.tokens == [out.prefill.first_token] and res.finish_reason == "length"
+    assert decode.stats()["num_used_blocks"] == 0
