@@ -1,0 +1,48 @@
+"""Every file in configs/ is a valid Ray Serve config whose args load as a PipelineConfig."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from moriio_ray import load_config
+
+CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
+
+
+@pytest.mark.timeout(10)
+def test_there_are_configs() -> None:
+    names = {p.name for p in CONFIGS}
+    ours = {"tiny_1p1d_cpu.yaml", "tiny_2p2d_cpu_tcp.yaml", "llama1b_1p1d_cuda.yaml", "multinode_tcp.yaml"}
+    assert ours <= names
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_config_loads(path: Path) -> None:
+    cfg = load_config(path)
+    assert cfg.name
+    text = path.read_text()
+    assert text.startswith("#"), "each config opens with a comment saying what it needs and how to run it"
+    assert "Run:" in text or "run:" in text
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_config_is_a_serve_config_for_our_app(path: Path) -> None:
+    from ray.serve.schema import ServeDeploySchema
+
+    schema = ServeDeploySchema.model_validate(yaml.safe_load(path.read_text()))
+    assert [app.import_path for app in schema.applications] == ["serve_apps.pd_openai:app"]
+
+
+@pytest.mark.timeout(10)
+def test_default_config_runs_on_a_small_cpu_box() -> None:
+    cfg = load_config(CONFIGS[0].parent / "tiny_1p1d_cpu.yaml")
+    assert cfg.engine.device == "cpu" and cfg.transfer.backend == "shm" and cfg.model.preset == "tiny"
+    pool = cfg.pool
+    assert (pool.prefill.replicas, pool.decode.replicas) == (1, 1)
+    assert pool.prefill.num_cpus + pool.decode.num_cpus <= 2, "must fit on a 2-core machine"
+    assert pool.prefill.num_gpus == pool.decode.num_gpus == 0
