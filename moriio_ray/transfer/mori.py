@@ -16,14 +16,21 @@ a fake ``mori`` module in the unit tests.
 
 from __future__ import annotations
 
+import threading
 from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
 from moriio_ray.config import MoriConfig
-from moriio_ray.errors import BackendUnavailable, IncompatiblePeer, PeerLost, TransferError
-from moriio_ray.transfer.base import TransferAgent
+from moriio_ray.errors import (
+    BackendUnavailable,
+    IncompatiblePeer,
+    PeerLost,
+    StaleDescriptor,
+    TransferError,
+)
+from moriio_ray.transfer.base import TransferAgent, check_bounds
 from moriio_ray.transfer.desc import EngineDesc, MemoryDesc
 from moriio_ray.transfer.handle import FutureTransfer, Transfer
 from moriio_ray.transfer.mori_api import (
@@ -34,10 +41,19 @@ from moriio_ray.transfer.mori_api import (
     import_mori_io,
     mori_engine_key,
 )
-from moriio_ray.transfer.mori_status import MoriTransfer, choose_waiter
+from moriio_ray.transfer.mori_status import MoriTransfer, choose_waiter, is_terminal
 
 # (local mem_id, remote engine key, remote epoch, remote mem_id)
 SessionKey = tuple[int, str, int, int]
+
+_HOLD_POLL_S = 0.05
+_HOLD_MAX_S = 60.0
+
+
+def _split_at(sizes: np.ndarray, num_bytes: int) -> int:
+    """How many leading segments hold the first ``num_bytes`` (at least one, and one left if any)."""
+    first = int(np.searchsorted(np.cumsum(sizes), num_bytes)) + 1
+    return max(1, min(first, int(sizes.size) - 1)) if sizes.size > 1 else 1
 
 
 class MoriAgent(TransferAgent):
@@ -68,8 +84,9 @@ class MoriAgent(TransferAgent):
         self._waiter = choose_waiter(self._engine, self._mori)
         self._local: dict[int, Any] = {}  # mem_id -> mori MemoryDesc
         self._remote_engines: dict[str, Any] = {}  # peer key -> mori EngineDesc
-        self._sessions: dict[SessionKey, Any] = {}
+        self._sessions: dict[SessionKey, tuple[Any, int]] = {}
         self._live: list[MoriTransfer] = []  # not yet terminal: C++ may still write their statuses
+        self._hold: tuple[int, threading.Event, threading.Event] | None = None  # see hold_after
 
     # -- memory ---------------------------------------------------------------------------------
 
@@ -142,33 +159,56 @@ class MoriAgent(TransferAgent):
         remote_offsets: np.ndarray,
         sizes: np.ndarray,
     ) -> Transfer:
+        if remote_mem.engine_key != peer.key or remote_mem.epoch != peer.epoch:
+            raise StaleDescriptor(
+                f"region {remote_mem.mem_id} of {remote_mem.engine_key!r} epoch {remote_mem.epoch} is not a "
+                f"region of the connected peer {peer.key!r} epoch {peer.epoch}; fetch its current descriptors"
+            )
         if sizes.size == 0:  # MoRI would leave the status of an empty batch unset
             empty = FutureTransfer(0, 0, peer.key)
             empty.set_done()
             return empty
-        # MoRI takes std::vector<size_t>: plain lists of ints, as vLLM's connector passes them.
-        lo, ro, sz = local_offsets.tolist(), remote_offsets.tolist(), sizes.tolist()
+        transfer = MoriTransfer(
+            num_bytes=int(sizes.sum()), num_segments=int(sizes.size), peer_key=peer.key, waiter=self._waiter
+        )
         with self._lock:
             self._live = [t for t in self._live if not t.statuses_terminal()]
-            session = self._session(local_mem, remote_mem)
-            issue = session.batch_read if op == "read" else session.batch_write
-            status = issue(lo, ro, sz, session.allocate_transfer_uid())
-            transfer = MoriTransfer(
-                [status],
-                (session, lo, ro, sz),
-                num_bytes=int(sizes.sum()),
-                num_segments=int(sizes.size),
-                peer_key=peer.key,
-                waiter=self._waiter,
+            session, remote_bytes = self._session(local_mem, remote_mem, peer)
+            # MoRI's own descriptor gives the size the peer really registered: check against it too,
+            # as a server would, in case the MemoryDesc we were handed claims more.
+            what = f"region {remote_mem.mem_id} of {peer.key!r} as registered with MoRI"
+            check_bounds(remote_offsets, sizes, remote_bytes, "remote", what)
+            hold, self._hold = self._hold, None
+            first = sizes.size if hold is None else _split_at(sizes, hold[0])
+            self._issue_batch(
+                transfer, session, op, local_offsets[:first], remote_offsets[:first], sizes[:first]
             )
             self._live.append(transfer)
+        if hold is None:
+            transfer.finish_issuing()
+        else:
+            rest = (local_offsets[first:], remote_offsets[first:], sizes[first:])
+            threading.Thread(
+                target=self._issue_held_rest, args=(transfer, session, op, rest, hold), daemon=True
+            ).start()
         return transfer
 
-    def _session(self, local_mem: MemoryDesc, remote_mem: MemoryDesc) -> Any:
+    @staticmethod
+    def _issue_batch(
+        transfer: MoriTransfer, session: Any, op: str, lo: np.ndarray, ro: np.ndarray, sz: np.ndarray
+    ) -> None:
+        # MoRI takes std::vector<size_t>: plain lists of ints, as vLLM's connector passes them.
+        lists = (lo.tolist(), ro.tolist(), sz.tolist())
+        issue = session.batch_read if op == "read" else session.batch_write
+        status = issue(*lists, session.allocate_transfer_uid())
+        transfer.add_batch(status, (session, *lists))
+
+    def _session(self, local_mem: MemoryDesc, remote_mem: MemoryDesc, peer: EngineDesc) -> tuple[Any, int]:
+        """The cached (session, remote region bytes as MoRI knows them) of a region pair."""
         skey = (local_mem.mem_id, remote_mem.engine_key, remote_mem.epoch, remote_mem.mem_id)
-        session = self._sessions.get(skey)
-        if session is not None:
-            return session
+        cached = self._sessions.get(skey)
+        if cached is not None:
+            return cached
         try:
             remote = self._mori.MemoryDesc.unpack(remote_mem.backend_data)
         except (RuntimeError, TypeError, ValueError) as exc:
@@ -176,14 +216,54 @@ class MoriAgent(TransferAgent):
                 f"region {remote_mem.mem_id} of {remote_mem.engine_key!r} carries no MoRI memory "
                 f"descriptor ({exc}); it was registered by another backend"
             ) from exc
+        peer_engine = self._remote_engines[peer.key]
+        if remote.engine_key != peer_engine.key:
+            raise StaleDescriptor(
+                f"region {remote_mem.mem_id} of {peer.key!r} belongs to MoRI engine {remote.engine_key!r}, "
+                f"not to the connected {peer_engine.key!r}; fetch the peer's current descriptors"
+            )
         session = self._engine.create_session(self._local[local_mem.mem_id], remote)
         if session is None:
             raise IncompatiblePeer(
                 f"MoRI found no route from local region {local_mem.mem_id} to region {remote_mem.mem_id} "
                 f"of {remote_mem.engine_key!r}; both engines need the same transfer.mori.backend"
             )
-        self._sessions[skey] = session
-        return session
+        self._sessions[skey] = (session, int(remote.size))
+        return self._sessions[skey]
+
+    # -- test hook ------------------------------------------------------------------------------
+
+    def hold_after(self, num_bytes: int) -> tuple[threading.Event, threading.Event]:
+        """Test hook: the next transfer issues the segments holding its first ``num_bytes``, waits for
+        them, sets ``held`` and parks until ``release`` is set; then it issues the rest.
+
+        Returns (held, release).
+        """
+        held, release = threading.Event(), threading.Event()
+        self._hold = (num_bytes, held, release)
+        return held, release
+
+    def _issue_held_rest(
+        self,
+        transfer: MoriTransfer,
+        session: Any,
+        op: str,
+        rest: tuple[np.ndarray, np.ndarray, np.ndarray],
+        hold: tuple[int, threading.Event, threading.Event],
+    ) -> None:
+        _, held, release = hold
+        try:
+            while transfer.forced_error is None and not all(is_terminal(s) for s in transfer.statuses):
+                self._waiter(transfer.statuses, _HOLD_POLL_S)
+            held.set()
+            release.wait(_HOLD_MAX_S)
+            with self._lock:
+                if transfer.forced_error is None and not self._closed and rest[2].size:
+                    self._issue_batch(transfer, session, op, *rest)
+        except Exception as exc:
+            transfer.fail(TransferError(f"issuing the held rest of a transfer failed: {exc!r}"))
+        finally:
+            transfer.finish_issuing()
 
     def live_transfers(self) -> int:
         """Transfers whose MoRI statuses are not terminal yet (kept alive by this agent)."""

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
-from moriio_ray.errors import PeerLost, TransferError, TransferTimeout
+from moriio_ray.errors import PeerLost, SegmentOutOfBounds, TransferError, TransferTimeout
 from moriio_ray.transfer.handle import Transfer
 
 # Waits up to timeout_s for every status to be terminal; returns early when they are.
@@ -25,7 +25,6 @@ _WAIT_SLICE_S = 0.05
 _POLL_INTERVAL_S = 0.001
 
 _HINTS = {
-    "ERR_INVALID_ARGS": "MoRI refused the segments (offsets or sizes outside a region); a bug in the plan",
     "ERR_RDMA_OP": "an RDMA operation failed; check the NICs and their queue depths, or lower "
     "transfer.mori.qp_per_transfer or the number of concurrent requests",
     "ERR_BAD_STATE": "the MoRI engine is in a bad state; restart this engine",
@@ -49,6 +48,11 @@ def status_error(status: Any, peer_key: str) -> TransferError:
     """Our error for a failed status: PeerLost when MoRI no longer knows the peer, else TransferError."""
     name = code_name(status.Code())
     message = status.Message() or "no message"
+    if name == "ERR_INVALID_ARGS":
+        return SegmentOutOfBounds(
+            f"MoRI transfer with {peer_key!r} failed with {name}: {message}; MoRI refused the segments "
+            "(an offset or size outside a registered region)"
+        )
     if name == "ERR_NOT_FOUND":
         return PeerLost(
             f"MoRI transfer with {peer_key!r} failed with {name}: {message}; the peer's engine or region "
@@ -97,24 +101,29 @@ def poll_statuses(statuses: Sequence[Any], timeout_s: float) -> None:
 class MoriTransfer(Transfer):
     """One batched MoRI read or write. Holds its statuses and the call's buffers until terminal."""
 
-    def __init__(
-        self,
-        statuses: list[Any],
-        keepalive: tuple[Any, ...],
-        *,
-        num_bytes: int,
-        num_segments: int,
-        peer_key: str,
-        waiter: Waiter,
-    ) -> None:
-        self.statuses = statuses
-        self.keepalive = keepalive  # the session and the offset lists passed to C++
+    def __init__(self, *, num_bytes: int, num_segments: int, peer_key: str, waiter: Waiter) -> None:
+        self.statuses: list[Any] = []
+        self.keepalive: list[tuple[Any, ...]] = []  # per batch: the session and the lists given to C++
         self.num_bytes = num_bytes
         self.num_segments = num_segments
         self.peer_key = peer_key
         self._waiter = waiter
         self._lock = threading.Lock()
         self._forced: TransferError | None = None
+        self._issued = threading.Event()  # set by finish_issuing once every batch is out
+
+    def add_batch(self, status: Any, keepalive: tuple[Any, ...]) -> None:
+        """Attach an issued batch's status and everything the C++ side may point at."""
+        with self._lock:
+            self.keepalive.append(keepalive)
+            self.statuses.append(status)
+
+    def finish_issuing(self) -> None:
+        self._issued.set()
+
+    @property
+    def forced_error(self) -> TransferError | None:
+        return self._forced
 
     def fail(self, error: TransferError) -> None:
         """Fail the transfer from our side (its peer was disconnected); MoRI may still complete it."""
@@ -123,7 +132,7 @@ class MoriTransfer(Transfer):
                 self._forced = error
 
     def statuses_terminal(self) -> bool:
-        return all(is_terminal(s) for s in self.statuses)
+        return self._issued.is_set() and all(is_terminal(s) for s in self.statuses)
 
     def done(self) -> bool:
         return self._forced is not None or self.statuses_terminal()
@@ -148,7 +157,10 @@ class MoriTransfer(Transfer):
                     f"{self.peer_key!r} did not finish within {timeout_s} s; it goes on in the "
                     "background; raise transfer.timeout_s or check the link to the peer"
                 )
-            self._waiter(self.statuses, min(left_s, _WAIT_SLICE_S))
+            if self._issued.is_set():
+                self._waiter(self.statuses, min(left_s, _WAIT_SLICE_S))
+            else:
+                self._issued.wait(min(left_s, _WAIT_SLICE_S))
         error = self.error()
         if error is not None:
             raise error

@@ -15,7 +15,7 @@ import fake_mori  # tests/unit is on sys.path under pytest (no __init__.py here)
 import pytest
 import torch
 
-from moriio_ray.errors import PeerLost, TransferError, TransferTimeout
+from moriio_ray.errors import PeerLost, SegmentOutOfBounds, TransferError, TransferTimeout
 from moriio_ray.transfer import mori_status
 from moriio_ray.transfer.mori_status import status_error
 
@@ -52,15 +52,23 @@ def _wait_in_thread(transfer, timeout_s):
 
 
 @pytest.mark.timeout(10)
-@pytest.mark.parametrize("code", [SC.ERR_INVALID_ARGS, SC.ERR_RDMA_OP, SC.ERR_BAD_STATE, SC.ERR_GPU_OP])
-def test_failure_codes_raise_transfer_error_with_moris_message(fabric, code):
+@pytest.mark.parametrize(
+    ("code", "error"),
+    [
+        (SC.ERR_INVALID_ARGS, SegmentOutOfBounds),
+        (SC.ERR_RDMA_OP, TransferError),
+        (SC.ERR_BAD_STATE, TransferError),
+        (SC.ERR_GPU_OP, TransferError),
+    ],
+)
+def test_failure_codes_raise_typed_errors_with_moris_message(fabric, code, error):
     _, d, _, _, p_mem, d_mem = _setup()
     fabric.fail_next = (code, "ibv_post_send: Cannot allocate memory")
     x = d.read(d_mem, p_mem, [0], [0], [16])
     assert x.done()
     with pytest.raises(TransferError) as info:
         x.wait(timeout_s=1.0)
-    assert not isinstance(info.value, (PeerLost, TransferTimeout))
+    assert type(info.value) is error
     assert code.name in str(info.value) and "Cannot allocate memory" in str(info.value)
     assert "prefill-0" in str(info.value)
 
@@ -157,8 +165,8 @@ def test_statuses_stay_alive_until_terminal_after_the_caller_drops_them(fabric):
 @pytest.mark.timeout(10)
 def test_the_fake_detects_a_freed_status(fabric):
     # Control for the test above: without the agent's reference, completion would dangle.
-    _, d, _, _, p_mem, d_mem = _setup()
-    session = d._session(d_mem, p_mem)
+    p, d, _, _, p_mem, d_mem = _setup()
+    session, _ = d._session(d_mem, p_mem, d.peers()[p.key])
     session.batch_read([0], [0], [64], session.allocate_transfer_uid())
     gc.collect()
     fabric.complete()
