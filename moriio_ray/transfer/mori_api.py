@@ -29,7 +29,7 @@ def import_mori_io() -> ModuleType:
     """``mori.io``, or BackendUnavailable saying how to get it."""
     try:
         return importlib.import_module("mori.io")
-    except ImportError as exc:
+    except (ImportError, OSError) as exc:  # OSError: its native libraries (HIP, ibverbs) do not load
         raise BackendUnavailable(
             f"transfer.backend: 'mori' needs the mori package, which does not import here ({exc}); "
             f"{INSTALL_HINT}"

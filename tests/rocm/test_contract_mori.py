@@ -25,7 +25,7 @@ REASON = "needs mori (amd-mori) and a ROCm GPU"
 def _has_mori_and_rocm_gpu() -> bool:
     try:
         importlib.import_module("mori.io")
-    except ImportError:
+    except (ImportError, OSError):
         return False
     return torch.version.hip is not None and torch.cuda.is_available()
 
