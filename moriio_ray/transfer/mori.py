@@ -17,6 +17,7 @@ a fake ``mori`` module in the unit tests.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any, ClassVar
 
 import numpy as np
@@ -169,7 +170,11 @@ class MoriAgent(TransferAgent):
             empty.set_done()
             return empty
         transfer = MoriTransfer(
-            num_bytes=int(sizes.sum()), num_segments=int(sizes.size), peer_key=peer.key, waiter=self._waiter
+            num_bytes=int(sizes.sum()),
+            num_segments=int(sizes.size),
+            peer_key=peer.key,
+            waiter=self._waiter,
+            deadline_s=time.monotonic() + self.config.timeout_s,
         )
         with self._lock:
             self._live = [t for t in self._live if not t.statuses_terminal()]

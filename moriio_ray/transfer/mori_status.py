@@ -99,9 +99,17 @@ def poll_statuses(statuses: Sequence[Any], timeout_s: float) -> None:
 
 
 class MoriTransfer(Transfer):
-    """One batched MoRI read or write. Holds its statuses and the call's buffers until terminal."""
+    """One batched MoRI read or write. Holds its statuses and the call's buffers until terminal.
 
-    def __init__(self, *, num_bytes: int, num_segments: int, peer_key: str, waiter: Waiter) -> None:
+    ``deadline_s`` (``transfer.timeout_s`` after issue) ends it with TransferTimeout even if MoRI
+    never reports a completion, so a lost completion cannot hang a request.
+    """
+
+    def __init__(
+        self, *, num_bytes: int, num_segments: int, peer_key: str, waiter: Waiter, deadline_s: float
+    ) -> None:
+        self.deadline_s = deadline_s  # a time.monotonic() value
+        self._limit_s = deadline_s - time.monotonic()
         self.statuses: list[Any] = []
         self.keepalive: list[tuple[Any, ...]] = []  # per batch: the session and the lists given to C++
         self.num_bytes = num_bytes
@@ -134,7 +142,18 @@ class MoriTransfer(Transfer):
     def statuses_terminal(self) -> bool:
         return self._issued.is_set() and all(is_terminal(s) for s in self.statuses)
 
+    def _check_deadline(self) -> None:
+        if self._forced is None and time.monotonic() >= self.deadline_s:
+            self.fail(
+                TransferTimeout(
+                    f"MoRI transfer of {self.num_bytes} bytes in {self.num_segments} segments with "
+                    f"{self.peer_key!r} did not finish within its deadline (transfer.timeout_s = "
+                    f"{self._limit_s:.3g} s); check the link to the peer, or raise transfer.timeout_s"
+                )
+            )
+
     def done(self) -> bool:
+        self._check_deadline()
         return self._forced is not None or self.statuses_terminal()
 
     def error(self) -> BaseException | None:
@@ -148,19 +167,21 @@ class MoriTransfer(Transfer):
         return None
 
     def wait(self, timeout_s: float | None = None) -> None:
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while self._forced is None and not self.statuses_terminal():
-            left_s = _WAIT_SLICE_S if deadline is None else deadline - time.monotonic()
-            if left_s <= 0:
+        caller_deadline_s = None if timeout_s is None else time.monotonic() + timeout_s
+        while not self.done():
+            now = time.monotonic()
+            if caller_deadline_s is not None and now >= caller_deadline_s:
                 raise TransferTimeout(
                     f"MoRI transfer of {self.num_bytes} bytes in {self.num_segments} segments with "
-                    f"{self.peer_key!r} did not finish within {timeout_s} s; it goes on in the "
-                    "background; raise transfer.timeout_s or check the link to the peer"
+                    f"{self.peer_key!r} did not finish within {timeout_s} s; it goes on until its "
+                    "deadline (transfer.timeout_s)"
                 )
+            end_s = self.deadline_s if caller_deadline_s is None else min(self.deadline_s, caller_deadline_s)
+            slice_s = max(0.0, min(end_s - now, _WAIT_SLICE_S))
             if self._issued.is_set():
-                self._waiter(self.statuses, min(left_s, _WAIT_SLICE_S))
+                self._waiter(self.statuses, slice_s)
             else:
-                self._issued.wait(min(left_s, _WAIT_SLICE_S))
+                self._issued.wait(slice_s)
         error = self.error()
         if error is not None:
             raise error

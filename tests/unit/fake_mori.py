@@ -410,9 +410,9 @@ def cpu_agent_class() -> type:
     return CpuMoriAgent
 
 
-def make_agent(key: str, *, epoch: int = 1, **mori_knobs: Any) -> Any:
+def make_agent(key: str, *, epoch: int = 1, timeout_s: float = 10.0, **mori_knobs: Any) -> Any:
     """A CPU-capable MoriAgent on the fake, with ``transfer.mori`` set from ``mori_knobs``."""
     from moriio_ray.config import MoriConfig, TransferConfig
 
-    config = TransferConfig(backend="mori", mori=MoriConfig(**mori_knobs))
+    config = TransferConfig(backend="mori", timeout_s=timeout_s, mori=MoriConfig(**mori_knobs))
     return cpu_agent_class()(config, key, epoch=epoch)

@@ -27,8 +27,9 @@ def fabric(monkeypatch):
     return fake_mori.install(monkeypatch, immediate=False)
 
 
-def _setup():
-    p, d = fake_mori.make_agent("prefill-0"), fake_mori.make_agent("decode-0")
+def _setup(timeout_s=10.0):
+    p = fake_mori.make_agent("prefill-0", timeout_s=timeout_s)
+    d = fake_mori.make_agent("decode-0", timeout_s=timeout_s)
     d.connect(p.engine_desc())
     src = torch.arange(256, dtype=torch.uint8).repeat(4)
     dst = torch.zeros(1024, dtype=torch.uint8)
@@ -100,7 +101,7 @@ def test_unknown_code_still_names_itself():
 def test_wait_times_out_then_the_transfer_goes_on(fabric):
     _, d, src, dst, p_mem, d_mem = _setup()
     x = d.read(d_mem, p_mem, [0], [512], [256])
-    with pytest.raises(TransferTimeout, match=r"256 bytes in 1 segments.*within 0.05 s"):
+    with pytest.raises(TransferTimeout, match=r"256 bytes in 1 segments.*within 0.05 s; it goes on"):
         x.wait(timeout_s=0.05)
     assert not x.done() and x.error() is None
     assert fabric.complete() == 1
@@ -198,3 +199,16 @@ def test_close_keeps_the_engine_while_statuses_are_live(fabric):
     assert isinstance(d._engine, fake_mori.IOEngine)
     fabric.complete()
     assert fabric.dangling == 0
+
+
+@pytest.mark.timeout(10)
+def test_a_lost_completion_ends_at_the_transfer_deadline(fabric):
+    _, d, _, _, p_mem, d_mem = _setup(timeout_s=0.2)
+    x = d.read(d_mem, p_mem, [0], [0], [64])
+    with pytest.raises(TransferTimeout, match=r"deadline \(transfer.timeout_s = 0.2 s\)"):
+        x.wait()  # no caller timeout: MoRI never completes, the transfer's own deadline ends it
+    assert x.done() and isinstance(x.error(), TransferTimeout) and x.bytes_moved == 0
+    assert d.live_transfers() == 1  # the status is still MoRI's to write
+    fabric.complete()
+    assert fabric.dangling == 0 and d.live_transfers() == 0
+    assert isinstance(x.error(), TransferTimeout)  # a late completion does not revive it
