@@ -65,14 +65,15 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(positions, inv_freq)  # [max_positions, head_dim // 2]
         self.cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device)
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions [T]; q [T, H, D]; k [T, Hkv, D]
-        cos, sin = self.cos_sin[positions].to(q.dtype).unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2]
-        cos = torch.cat([cos, cos], dim=-1)
-        sin = torch.cat([sin, sin], dim=-1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin), each [T, 1, head_dim] in ``dtype``, for positions [T]; shared by every layer."""
+        cos, sin = self.cos_sin[positions].to(dtype).unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2]
+        return torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE of x [T, heads, D] with cos/sin [T, 1, D]."""
+    return x * cos + _rotate_half(x) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

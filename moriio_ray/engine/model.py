@@ -15,9 +15,10 @@ from torch import nn
 
 from moriio_ray.engine.arch import ModelArgs
 from moriio_ray.engine.attention import AttnMetadata, paged_decode_attention, prefill_attention, write_kv
-from moriio_ray.engine.layers import RMSNorm, RotaryEmbedding, SwiGLU
+from moriio_ray.engine.layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary
 
 KVPair = tuple[torch.Tensor, torch.Tensor]  # a layer's (k_cache, v_cache): [num_blocks, block_size, Hkv, D]
+Rotary = tuple[torch.Tensor, torch.Tensor]  # (cos, sin) of the batch's positions: [T, 1, D] each
 LayerHook = Callable[[int], None]
 
 
@@ -36,8 +37,7 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
-        rotary: RotaryEmbedding,
+        rotary: Rotary,
         kv: KVPair,
         meta: AttnMetadata,
     ) -> torch.Tensor:
@@ -48,7 +48,7 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
+        q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         write_kv(kv[0], kv[1], k, v, meta)
         if meta.is_prefill:
             out = prefill_attention(q, k, v, meta)
@@ -70,12 +70,11 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
-        rotary: RotaryEmbedding,
+        rotary: Rotary,
         kv: KVPair,
         meta: AttnMetadata,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv, meta)
+        x = x + self.self_attn(self.input_layernorm(x), rotary, kv, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -114,8 +113,9 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         # input_ids, positions [T] -> hidden [T, hidden_size]
         x = self.model.embed_tokens(input_ids)
+        rotary = self.rotary(positions, x.dtype)
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, positions, self.rotary, kv_caches[i], meta)
+            x = layer(x, rotary, kv_caches[i], meta)
             if layer_hook is not None:
                 # layer i's K/V for the whole batch are in the cache now (queued on the stream)
                 layer_hook(i)

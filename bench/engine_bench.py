@@ -1,0 +1,250 @@
+"""Engine throughput: prefill and decode tokens/s at several batch sizes, beside plain ``transformers``.
+
+For each batch size B the built-in engine (colocated role) takes B random prompts of --prompt-len
+tokens: one ``step()`` prefills them all (one prefill batch) and samples the first tokens, then
+--decode-steps ``step()`` calls decode one token per sequence each (greedy, EOS ignored). Timed:
+whole engine steps (scheduling, input building, forward, sampling), wall clock between device
+synchronisations, median of --repeats runs after one warm-up run that is not counted.
+
+The baseline, in the same run on the same device and dtype, is the ``transformers`` model of the
+same architecture (its own random weights; speed does not depend on them): one forward over the
+prompts (``logits_to_keep=1``), then a greedy loop of single-token forwards with its KV cache.
+
+    python bench/engine_bench.py --preset tiny --device cpu --dtype float32
+    python bench/engine_bench.py --preset llama-1b --device cuda --dtype bfloat16
+
+Writes bench/results/engine_<preset>_<device>_<dtype>.json and .png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, for moriio_ray
+
+from moriio_ray.config import EngineConfig, ModelConfig
+from moriio_ray.engine.arch import ModelArgs
+from moriio_ray.engine.engine import Engine
+from moriio_ray.engine.sampling import SamplingParams
+from moriio_ray.engine.sequence import blocks_for
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(device: torch.device, fn: Callable[[], Any]) -> tuple[float, Any]:
+    """Wall seconds of ``fn()`` between device synchronisations, and its result."""
+    sync(device)
+    start = time.perf_counter()
+    result = fn()
+    sync(device)
+    return time.perf_counter() - start, result
+
+
+def random_prompts(batch: int, prompt_len: int, vocab: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, min(vocab, 256), (batch, prompt_len), generator=gen).tolist()
+
+
+# ----------------------------------------------------------------------------------------------
+# the engine
+
+
+def engine_run(engine: Engine, batch: int, prompt_len: int, decode_steps: int, seed: int) -> dict[str, float]:
+    """One prefill step of ``batch`` prompts, then ``decode_steps`` decode steps; seconds and tokens."""
+    params = SamplingParams(max_tokens=decode_steps + 1, ignore_eos=True)
+    for i, prompt in enumerate(random_prompts(batch, prompt_len, engine.args.vocab_size, seed)):
+        engine.add_request(f"b{batch}-s{seed}-{i}", prompt, params)
+    prefill_s, outs = timed(engine.device, engine.step)
+    assert len(outs) == batch and all(len(o.new_token_ids) == 1 for o in outs), "prefill was split"
+    num_decoded, decode_s = 0, 0.0
+    for _ in range(decode_steps):
+        step_s, outs = timed(engine.device, engine.step)
+        decode_s += step_s
+        num_decoded += sum(len(o.new_token_ids) for o in outs)
+    assert num_decoded == batch * decode_steps and not engine.has_work()
+    return {"prefill_s": prefill_s, "decode_s": decode_s, "prefill_tokens": batch * prompt_len,
+            "decode_tokens": num_decoded}  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------
+# the transformers baseline
+
+
+def hf_model(args: ModelArgs, dtype: torch.dtype, device: torch.device) -> Any:
+    """A ``transformers`` model with the preset's architecture (random weights), or None if unavailable."""
+    try:
+        import transformers
+    except ImportError:
+        return None
+    rope: dict[str, Any] = {"rope_type": args.rope.rope_type, "rope_theta": args.rope.theta}
+    if args.rope.rope_type == "llama3":
+        rope.update(factor=args.rope.factor, low_freq_factor=args.rope.low_freq_factor,
+                    high_freq_factor=args.rope.high_freq_factor,
+                    original_max_position_embeddings=args.rope.original_max_position_embeddings)  # fmt: skip
+    config_cls = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config",
+                  "qwen3": "Qwen3Config"}[args.model_type]  # fmt: skip
+    config = getattr(transformers, config_cls)(
+        vocab_size=args.vocab_size, hidden_size=args.hidden_size, intermediate_size=args.intermediate_size,
+        num_hidden_layers=args.num_layers, num_attention_heads=args.num_heads,
+        num_key_value_heads=args.num_kv_heads, head_dim=args.head_dim,
+        max_position_embeddings=args.max_position_embeddings, rms_norm_eps=args.rms_norm_eps,
+        tie_word_embeddings=args.tie_word_embeddings, rope_parameters=rope,
+    )  # fmt: skip
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval()
+
+
+@torch.inference_mode()
+def hf_run(model: Any, batch: int, prompt_len: int, decode_steps: int, device: torch.device) -> dict[str, float]:
+    """One forward over the prompts, then ``decode_steps`` greedy single-token forwards."""
+    ids = torch.tensor(random_prompts(batch, prompt_len, model.config.vocab_size, 0), device=device)
+    prefill_s, out = timed(device, lambda: model(ids, use_cache=True, logits_to_keep=1))
+
+    def decode() -> None:
+        nonlocal out
+        for _ in range(decode_steps):
+            token = out.logits[:, -1].argmax(-1, keepdim=True)  # [B, 1]
+            out = model(token, past_key_values=out.past_key_values, use_cache=True)
+
+    decode_s, _ = timed(device, decode)
+    return {"prefill_s": prefill_s, "decode_s": decode_s, "prefill_tokens": batch * prompt_len,
+            "decode_tokens": batch * decode_steps}  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def median_rates(runs: list[dict[str, float]]) -> dict[str, float]:
+    return {
+        "prefill_tok_s": statistics.median(r["prefill_tokens"] / r["prefill_s"] for r in runs),
+        "decode_tok_s": statistics.median(r["decode_tokens"] / r["decode_s"] for r in runs),
+        "prefill_s": statistics.median(r["prefill_s"] for r in runs),
+        "decode_step_ms": statistics.median(1e3 * r["decode_s"] for r in runs) / max(1, runs[0]["decode_steps"]),
+    }
+
+
+def measure(run: Callable[[int], dict[str, float]], repeats: int, decode_steps: int) -> dict[str, float]:
+    run(-1)  # warm-up, not counted
+    runs = []
+    for i in range(repeats):
+        r = run(i)
+        r["decode_steps"] = decode_steps
+        runs.append(r)
+    return median_rates(runs)
+
+
+def plot(results: list[dict[str, Any]], title: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    batches = [r["batch_size"] for r in results]
+    xs = range(len(batches))
+    for ax, key, name in zip(axes, ("prefill_tok_s", "decode_tok_s"), ("prefill", "decode"), strict=True):
+        ours = [r["engine"][key] for r in results]
+        ax.bar([x - 0.2 for x in xs], ours, width=0.4, label="moriio-ray engine")
+        if all(r.get("hf") for r in results):
+            base = [r["hf"][key] for r in results]
+            ax.bar([x + 0.2 for x in xs], base, width=0.4, label="transformers")
+            for x, a, b in zip(xs, ours, base, strict=True):
+                ax.annotate(f"{a / b:.2f}x", (x - 0.2, a), ha="center", va="bottom", fontsize=8)
+        ax.set_xticks(list(xs), [str(b) for b in batches])
+        ax.set_xlabel("batch size")
+        ax.set_ylabel("tokens/s")
+        ax.set_yscale("log")
+        ax.set_title(f"{name} throughput")
+        ax.legend()
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="tiny")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--decode-steps", type=int, default=64)
+    parser.add_argument("--batch-sizes", default="1,32,128")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--layout", default="layer_major", choices=["layer_major", "block_major"])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    a = parser.parse_args()
+    batches = [int(b) for b in a.batch_sizes.split(",")]
+    max_batch = max(batches)
+    # blocks for the largest batch (with the warm-up's requests gone by then), plus slack
+    num_blocks = max_batch * blocks_for(a.prompt_len + a.decode_steps + 1, a.block_size) + 16
+    print(f"building engine: preset={a.preset} device={a.device} dtype={a.dtype} blocks={num_blocks}", flush=True)
+    build_s, engine = timed(
+        torch.device("cpu"),
+        lambda: Engine(
+            ModelConfig(preset=a.preset, dtype=a.dtype, max_model_len=a.prompt_len + a.decode_steps + 8),
+            EngineConfig(device=a.device, block_size=a.block_size, num_blocks=num_blocks, layout=a.layout,
+                         max_num_seqs=max_batch, max_num_batched_tokens=max_batch * a.prompt_len),  # fmt: skip
+            role="colocated",
+        ),
+    )
+    print(f"  built in {build_s:.1f} s", flush=True)
+    hf = None if a.no_hf else hf_model(engine.args, engine.dtype, engine.device)
+    results = []
+    for batch in batches:
+        print(f"batch {batch}: engine ...", flush=True)
+        row: dict[str, Any] = {"batch_size": batch}
+        row["engine"] = measure(
+            lambda seed, b=batch: engine_run(engine, b, a.prompt_len, a.decode_steps, seed), a.repeats, a.decode_steps
+        )
+        print(f"  engine: prefill {row['engine']['prefill_tok_s']:,.0f} tok/s, "
+              f"decode {row['engine']['decode_tok_s']:,.0f} tok/s", flush=True)  # fmt: skip
+        if hf is not None:
+            print(f"batch {batch}: transformers ...", flush=True)
+            row["hf"] = measure(
+                lambda _seed, b=batch: hf_run(hf, b, a.prompt_len, a.decode_steps, engine.device),
+                a.repeats, a.decode_steps,
+            )  # fmt: skip
+            row["ratio"] = {k: row["engine"][k] / row["hf"][k] for k in ("prefill_tok_s", "decode_tok_s")}
+            print(f"  transformers: prefill {row['hf']['prefill_tok_s']:,.0f} tok/s, "
+                  f"decode {row['hf']['decode_tok_s']:,.0f} tok/s; engine/transformers: "
+                  f"prefill {row['ratio']['prefill_tok_s']:.2f}x, decode {row['ratio']['decode_tok_s']:.2f}x",
+                  flush=True)  # fmt: skip
+        results.append(row)
+        assert engine.stats()["num_used_blocks"] == 0
+    device_name = torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else platform.processor()
+    report = {
+        "benchmark": "engine_bench",
+        "args": vars(a),
+        "environment": {"torch": torch.__version__, "device": device_name, "cpu_threads": torch.get_num_threads(),
+                        "python": platform.python_version()},  # fmt: skip
+        "engine_build_s": build_s,
+        "results": results,
+    }
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"engine_{a.preset}_{a.device}_{a.dtype}"
+    stem.with_suffix(".json").write_text(json.dumps(report, indent=2))
+    title = (f"{a.preset} {a.dtype} on {device_name or a.device}: prompt {a.prompt_len}, "
+             f"{a.decode_steps} decode steps, median of {a.repeats}")  # fmt: skip
+    plot(results, title, stem.with_suffix(".png"))
+    print(f"wrote {stem}.json and {stem}.png", flush=True)
+
+
+if __name__ == "__main__":
+    main()
