@@ -19,11 +19,13 @@ Writes bench/results/engine_<preset>_<device>_<dtype>.json and .png.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import platform
 import statistics
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -75,8 +77,12 @@ def engine_run(engine: Engine, batch: int, prompt_len: int, decode_steps: int, s
         decode_s += step_s
         num_decoded += sum(len(o.new_token_ids) for o in outs)
     assert num_decoded == batch * decode_steps and not engine.has_work()
-    return {"prefill_s": prefill_s, "decode_s": decode_s, "prefill_tokens": batch * prompt_len,
-            "decode_tokens": num_decoded}  # fmt: skip
+    return {
+        "prefill_s": prefill_s,
+        "decode_s": decode_s,
+        "prefill_tokens": batch * prompt_len,
+        "decode_tokens": num_decoded,
+    }
 
 
 # ----------------------------------------------------------------------------------------------
@@ -89,29 +95,45 @@ def hf_model(args: ModelArgs, dtype: torch.dtype, device: torch.device) -> Any:
         import transformers
     except ImportError:
         return None
+    transformers.logging.set_verbosity_error()  # the cache-argument deprecation notices, once per step
     rope: dict[str, Any] = {"rope_type": args.rope.rope_type, "rope_theta": args.rope.theta}
     if args.rope.rope_type == "llama3":
-        rope.update(factor=args.rope.factor, low_freq_factor=args.rope.low_freq_factor,
-                    high_freq_factor=args.rope.high_freq_factor,
-                    original_max_position_embeddings=args.rope.original_max_position_embeddings)  # fmt: skip
-    config_cls = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config",
-                  "qwen3": "Qwen3Config"}[args.model_type]  # fmt: skip
+        rope.update(
+            factor=args.rope.factor,
+            low_freq_factor=args.rope.low_freq_factor,
+            high_freq_factor=args.rope.high_freq_factor,
+            original_max_position_embeddings=args.rope.original_max_position_embeddings,
+        )
+    config_cls = {
+        "llama": "LlamaConfig",
+        "mistral": "MistralConfig",
+        "qwen2": "Qwen2Config",
+        "qwen3": "Qwen3Config",
+    }[args.model_type]
     config = getattr(transformers, config_cls)(
-        vocab_size=args.vocab_size, hidden_size=args.hidden_size, intermediate_size=args.intermediate_size,
-        num_hidden_layers=args.num_layers, num_attention_heads=args.num_heads,
-        num_key_value_heads=args.num_kv_heads, head_dim=args.head_dim,
-        max_position_embeddings=args.max_position_embeddings, rms_norm_eps=args.rms_norm_eps,
-        tie_word_embeddings=args.tie_word_embeddings, rope_parameters=rope,
-    )  # fmt: skip
+        vocab_size=args.vocab_size,
+        hidden_size=args.hidden_size,
+        intermediate_size=args.intermediate_size,
+        num_hidden_layers=args.num_layers,
+        num_attention_heads=args.num_heads,
+        num_key_value_heads=args.num_kv_heads,
+        head_dim=args.head_dim,
+        max_position_embeddings=args.max_position_embeddings,
+        rms_norm_eps=args.rms_norm_eps,
+        tie_word_embeddings=args.tie_word_embeddings,
+        rope_parameters=rope,
+    )
     with torch.device(device):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     return model.eval()
 
 
 @torch.inference_mode()
-def hf_run(model: Any, batch: int, prompt_len: int, decode_steps: int, device: torch.device) -> dict[str, float]:
+def hf_run(
+    model: Any, batch: int, prompt_len: int, decode_steps: int, device: torch.device, seed: int
+) -> dict[str, float]:
     """One forward over the prompts, then ``decode_steps`` greedy single-token forwards."""
-    ids = torch.tensor(random_prompts(batch, prompt_len, model.config.vocab_size, 0), device=device)
+    ids = torch.tensor(random_prompts(batch, prompt_len, model.config.vocab_size, seed), device=device)
     prefill_s, out = timed(device, lambda: model(ids, use_cache=True, logits_to_keep=1))
 
     def decode() -> None:
@@ -120,9 +142,15 @@ def hf_run(model: Any, batch: int, prompt_len: int, decode_steps: int, device: t
             token = out.logits[:, -1].argmax(-1, keepdim=True)  # [B, 1]
             out = model(token, past_key_values=out.past_key_values, use_cache=True)
 
-    decode_s, _ = timed(device, decode)
-    return {"prefill_s": prefill_s, "decode_s": decode_s, "prefill_tokens": batch * prompt_len,
-            "decode_tokens": batch * decode_steps}  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        decode_s, _ = timed(device, decode)
+    return {
+        "prefill_s": prefill_s,
+        "decode_s": decode_s,
+        "prefill_tokens": batch * prompt_len,
+        "decode_tokens": batch * decode_steps,
+    }
 
 
 # ----------------------------------------------------------------------------------------------
@@ -133,7 +161,8 @@ def median_rates(runs: list[dict[str, float]]) -> dict[str, float]:
         "prefill_tok_s": statistics.median(r["prefill_tokens"] / r["prefill_s"] for r in runs),
         "decode_tok_s": statistics.median(r["decode_tokens"] / r["decode_s"] for r in runs),
         "prefill_s": statistics.median(r["prefill_s"] for r in runs),
-        "decode_step_ms": statistics.median(1e3 * r["decode_s"] for r in runs) / max(1, runs[0]["decode_steps"]),
+        "decode_step_ms": statistics.median(1e3 * r["decode_s"] for r in runs)
+        / max(1, runs[0]["decode_steps"]),
     }
 
 
@@ -176,7 +205,9 @@ def plot(results: list[dict[str, Any]], title: str, path: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--preset", default="tiny")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -193,13 +224,22 @@ def main() -> None:
     max_batch = max(batches)
     # blocks for the largest batch (with the warm-up's requests gone by then), plus slack
     num_blocks = max_batch * blocks_for(a.prompt_len + a.decode_steps + 1, a.block_size) + 16
-    print(f"building engine: preset={a.preset} device={a.device} dtype={a.dtype} blocks={num_blocks}", flush=True)
+    print(
+        f"building engine: preset={a.preset} device={a.device} dtype={a.dtype} blocks={num_blocks}",
+        flush=True,
+    )
     build_s, engine = timed(
         torch.device("cpu"),
         lambda: Engine(
             ModelConfig(preset=a.preset, dtype=a.dtype, max_model_len=a.prompt_len + a.decode_steps + 8),
-            EngineConfig(device=a.device, block_size=a.block_size, num_blocks=num_blocks, layout=a.layout,
-                         max_num_seqs=max_batch, max_num_batched_tokens=max_batch * a.prompt_len),  # fmt: skip
+            EngineConfig(
+                device=a.device,
+                block_size=a.block_size,
+                num_blocks=num_blocks,
+                layout=a.layout,
+                max_num_seqs=max_batch,
+                max_num_batched_tokens=max_batch * a.prompt_len,
+            ),
             role="colocated",
         ),
     )
@@ -210,29 +250,43 @@ def main() -> None:
         print(f"batch {batch}: engine ...", flush=True)
         row: dict[str, Any] = {"batch_size": batch}
         row["engine"] = measure(
-            lambda seed, b=batch: engine_run(engine, b, a.prompt_len, a.decode_steps, seed), a.repeats, a.decode_steps
+            functools.partial(engine_run, engine, batch, a.prompt_len, a.decode_steps),
+            a.repeats,
+            a.decode_steps,
         )
-        print(f"  engine: prefill {row['engine']['prefill_tok_s']:,.0f} tok/s, "
-              f"decode {row['engine']['decode_tok_s']:,.0f} tok/s", flush=True)  # fmt: skip
+        print(
+            f"  engine: prefill {row['engine']['prefill_tok_s']:,.0f} tok/s, "
+            f"decode {row['engine']['decode_tok_s']:,.0f} tok/s",
+            flush=True,
+        )
         if hf is not None:
             print(f"batch {batch}: transformers ...", flush=True)
             row["hf"] = measure(
-                lambda _seed, b=batch: hf_run(hf, b, a.prompt_len, a.decode_steps, engine.device),
-                a.repeats, a.decode_steps,
-            )  # fmt: skip
+                functools.partial(hf_run, hf, batch, a.prompt_len, a.decode_steps, engine.device),
+                a.repeats,
+                a.decode_steps,
+            )
             row["ratio"] = {k: row["engine"][k] / row["hf"][k] for k in ("prefill_tok_s", "decode_tok_s")}
-            print(f"  transformers: prefill {row['hf']['prefill_tok_s']:,.0f} tok/s, "
-                  f"decode {row['hf']['decode_tok_s']:,.0f} tok/s; engine/transformers: "
-                  f"prefill {row['ratio']['prefill_tok_s']:.2f}x, decode {row['ratio']['decode_tok_s']:.2f}x",
-                  flush=True)  # fmt: skip
+            print(
+                f"  transformers: prefill {row['hf']['prefill_tok_s']:,.0f} tok/s, "
+                f"decode {row['hf']['decode_tok_s']:,.0f} tok/s; engine/transformers: "
+                f"prefill {row['ratio']['prefill_tok_s']:.2f}x, decode {row['ratio']['decode_tok_s']:.2f}x",
+                flush=True,
+            )
         results.append(row)
         assert engine.stats()["num_used_blocks"] == 0
-    device_name = torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else platform.processor()
+    device_name = (
+        torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else platform.processor()
+    )
     report = {
         "benchmark": "engine_bench",
         "args": vars(a),
-        "environment": {"torch": torch.__version__, "device": device_name, "cpu_threads": torch.get_num_threads(),
-                        "python": platform.python_version()},  # fmt: skip
+        "environment": {
+            "torch": torch.__version__,
+            "device": device_name,
+            "cpu_threads": torch.get_num_threads(),
+            "python": platform.python_version(),
+        },
         "engine_build_s": build_s,
         "results": results,
     }
@@ -240,8 +294,10 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     stem = out / f"engine_{a.preset}_{a.device}_{a.dtype}"
     stem.with_suffix(".json").write_text(json.dumps(report, indent=2))
-    title = (f"{a.preset} {a.dtype} on {device_name or a.device}: prompt {a.prompt_len}, "
-             f"{a.decode_steps} decode steps, median of {a.repeats}")  # fmt: skip
+    title = (
+        f"{a.preset} {a.dtype} on {device_name or a.device}: prompt {a.prompt_len}, "
+        f"{a.decode_steps} decode steps, median of {a.repeats}"
+    )
     plot(results, title, stem.with_suffix(".png"))
     print(f"wrote {stem}.json and {stem}.png", flush=True)
 
