@@ -372,21 +372,17 @@ def install(monkeypatch: Any, *, immediate: bool = True) -> Fabric:
     FABRIC = Fabric(immediate=immediate)
     io = types.ModuleType("mori.io")
     io.__doc__ = "FAKE mori.io for unit tests (see tests/unit/fake_mori.py)"
-    for name in (
-        "BackendType",
-        "MemoryLocationType",
-        "StatusCode",
-        "PollCqMode",
-        "RdmaBackendConfig",
-        "XgmiBackendConfig",
-        "IOEngineConfig",
-        "TransferStatus",
-        "EngineDesc",
-        "MemoryDesc",
-        "IOEngine",
-        "IOEngineSession",
+    for obj in (
+        BackendType,
+        MemoryLocationType,
+        StatusCode,
+        PollCqMode,
+        RdmaBackendConfig,
+        XgmiBackendConfig,
     ):
-        setattr(io, name, globals()[name])
+        setattr(io, obj.__name__, obj)
+    for obj in (IOEngineConfig, TransferStatus, EngineDesc, MemoryDesc, IOEngine, IOEngineSession):
+        setattr(io, obj.__name__, obj)
     pkg = types.ModuleType("mori")
     pkg.__path__ = []  # a package, so that `import mori.io` resolves through sys.modules
     pkg.io = io  # type: ignore[attr-defined]
