@@ -259,8 +259,10 @@ class _Copy:
             moved += int(self.sizes[sl].sum())
             if hold:
                 self.agent._hold(moved)
-            # after each chunk: bytes copied after the owner left must not count as success
-            self.seg.check_live(key, self.epoch)
+            # between chunks the owner's control word (a memory read) stops a copy early
+            self.seg.check_live(key, self.epoch, check_pid=False)
+        # at the end the process too: bytes copied after the owner left must not count as success
+        self.seg.check_live(key, self.epoch)
         if self.peer.error is not None:
             raise self.peer.error
 

@@ -125,8 +125,8 @@ class Segment:
         row = self.table[int(rows[0])]
         return int(row[1]), int(row[2])
 
-    def check_live(self, owner_key: str, epoch: int) -> None:
-        """Raise unless the owner is live, runs ``epoch`` and its process exists."""
+    def check_live(self, owner_key: str, epoch: int, *, check_pid: bool = True) -> None:
+        """Raise unless the owner is live, runs ``epoch`` and (``check_pid``) its process exists."""
         if int(self.words64[_EPOCH]) != epoch:
             raise StaleDescriptor(
                 f"peer {owner_key!r}: its shared memory belongs to epoch {int(self.words64[_EPOCH])}, the "
@@ -135,7 +135,7 @@ class Segment:
         if int(self.words32[_STATE]) != 1:
             raise PeerLost(f"peer {owner_key!r} closed its shared memory {self.name}")
         pid = int(self.words64[_PID])
-        if not pid_alive(pid):
+        if check_pid and not pid_alive(pid):
             raise PeerLost(f"peer {owner_key!r} (pid {pid}) died; its shared memory {self.name} is stale")
 
 
