@@ -372,16 +372,17 @@ def install(monkeypatch: Any, *, immediate: bool = True) -> Fabric:
     FABRIC = Fabric(immediate=immediate)
     io = types.ModuleType("mori.io")
     io.__doc__ = "FAKE mori.io for unit tests (see tests/unit/fake_mori.py)"
-    for obj in (
-        BackendType,
-        MemoryLocationType,
-        StatusCode,
-        PollCqMode,
-        RdmaBackendConfig,
+    api: tuple[type, ...] = (BackendType, MemoryLocationType, StatusCode, PollCqMode, RdmaBackendConfig)
+    api += (
         XgmiBackendConfig,
-    ):
-        setattr(io, obj.__name__, obj)
-    for obj in (IOEngineConfig, TransferStatus, EngineDesc, MemoryDesc, IOEngine, IOEngineSession):
+        IOEngineConfig,
+        TransferStatus,
+        EngineDesc,
+        MemoryDesc,
+        IOEngine,
+        IOEngineSession,
+    )
+    for obj in api:
         setattr(io, obj.__name__, obj)
     pkg = types.ModuleType("mori")
     pkg.__path__ = []  # a package, so that `import mori.io` resolves through sys.modules
