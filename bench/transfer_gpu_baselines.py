@@ -46,6 +46,17 @@ def blocks_equal(
     return bool(torch.equal(d5.index_select(dim, di), s5.index_select(dim, si)))
 
 
+def _await(conn: Connection, procs: list[Any], timeout_s: float, what: str) -> None:
+    """Wait for a message, failing at once if one of ``procs`` died first."""
+    deadline = time.monotonic() + timeout_s
+    while not conn.poll(1.0):
+        dead = [p for p in procs if p.exitcode is not None]
+        if dead:
+            raise RuntimeError(f"{what}: a child process exited with code {dead[0].exitcode}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} gave no result within {timeout_s} s")
+
+
 def _median(xs: list[float]) -> float:
     return float(statistics.median(xs))
 
@@ -75,12 +86,12 @@ def _nccl_rank(
         layout = KVLayout(**layout_kw, order=case["order"])
         cache = torch.empty(layout.total_bytes, dtype=torch.uint8, device=dev)
         fill_random(cache, seeds[rank])
-        view = cache.view(torch.int16).view(layout.shape)
+        view = cache.view(torch.bfloat16).view(layout.shape)  # NCCL moves bf16 (not int16); bits unchanged
         dim = 2 if layout.order == LAYER_MAJOR else 0
         idx = torch.as_tensor(case["p_blocks"] if rank == 0 else case["d_blocks"], device=dev)
         shape = list(layout.shape)
         shape[dim] = idx.numel()
-        buf = torch.empty(shape, dtype=torch.int16, device=dev)
+        buf = torch.empty(shape, dtype=torch.bfloat16, device=dev)
 
         times = []
         for i in range(iters + 3):
@@ -127,8 +138,7 @@ def run_nccl(
     for p in procs:
         p.start()
     try:
-        if not parent.poll(timeout_s):
-            raise TimeoutError(f"NCCL baseline gave no result within {timeout_s} s")
+        _await(parent, procs, timeout_s, "NCCL baseline")
         result: list[dict[str, Any]] = parent.recv()
         return result
     finally:
@@ -233,13 +243,11 @@ def run_nixl(
     target.start()
     init = None
     try:
-        if not t_conn.poll(120):
-            raise TimeoutError("NIXL target did not start within 120 s")
+        _await(t_conn, [target], 120, "NIXL target")
         meta, d_base = t_conn.recv()
         init = ctx.Process(target=_nixl_initiator, args=(i_child, meta, d_base, total, cases, seeds, iters))
         init.start()
-        if not i_conn.poll(timeout_s):
-            raise TimeoutError(f"NIXL initiator gave no result within {timeout_s} s")
+        _await(i_conn, [init, target], timeout_s, "NIXL initiator")
         out: list[dict[str, Any]] = i_conn.recv()
         last = cases[-1]
         t_conn.send(("verify", last["order"], last["d_blocks"], last["p_blocks"]))

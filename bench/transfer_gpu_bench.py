@@ -20,6 +20,7 @@ time from ``read``/``write`` to ``wait`` returning. Every method's result is che
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -35,9 +36,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, f
 from transfer_gpu_baselines import blocks_equal, fill_random, run_nccl, run_nixl
 
 from moriio_ray.config import CudaIpcConfig, TransferConfig
-from moriio_ray.transfer import create_agent, plan_blocks
+from moriio_ray.transfer import TransferPlan, create_agent, cuda_kernels, plan_blocks
 from moriio_ray.transfer.cuda_devices import enable_peer_access
-from moriio_ray.transfer.cuda_kernels import SegmentCopier
+from moriio_ray.transfer.cuda_kernels import KernelVariant, SegmentCopier
 from moriio_ray.transfer.layout import BLOCK_MAJOR, LAYER_MAJOR, KVLayout
 
 LAYOUT_KW: dict[str, Any] = dict(
@@ -57,19 +58,24 @@ def sync() -> None:
     torch.cuda.synchronize(1)
 
 
-def time_events(stream: torch.cuda.Stream, issue: Any, iters: int, warmup: int = 3) -> float:
-    """Median device seconds of ``issue()`` (which returns a Transfer) between events on ``stream``."""
+HOLD_CYCLES = 400_000  # about 200 us of GPU sleep: the host enqueues the copy meanwhile
+
+
+def time_device(stream: torch.cuda.Stream, issue: Any, iters: int, warmup: int = 3) -> float:
+    """Median GPU seconds of ``issue()``'s copy (metadata upload + kernel), host enqueue time hidden.
+
+    The agent must have ``time_transfers`` set. A short sleep kernel keeps ``stream`` busy while the
+    host issues, so the copy's start event fires only once everything is queued.
+    """
     for _ in range(warmup):
         issue().wait(timeout_s=60)
     out = []
     for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record(stream)
+        with torch.cuda.device(stream.device), torch.cuda.stream(stream):
+            torch.cuda._sleep(HOLD_CYCLES)
         x = issue()
-        end.record(stream)
         x.wait(timeout_s=60)
-        end.synchronize()
-        out.append(start.elapsed_time(end) * 1e-3)
+        out.append(x.device_seconds())
     return median(out)
 
 
@@ -114,39 +120,58 @@ def naive(p: torch.Tensor, d: torch.Tensor, plan: Any, iters: int) -> float:
     return median(out)
 
 
+VARIANTS = [
+    KernelVariant(unroll=u, ctas_per_sm=c, chunk_bytes=ch, streaming=st)
+    for u in (4, 8)
+    for c in (2, 4)
+    for ch in (0, 64 << 10)
+    for st in (False, True)
+] + [KernelVariant(unroll=u, ctas_per_sm=8, threads=256) for u in (4, 8)]
+
+
 def sweep(p: torch.Tensor, d: torch.Tensor, plans: dict[str, Any], iters: int) -> list[dict[str, Any]]:
-    """Kernel variants (loads in flight per thread, CTAs per SM) on the raw launcher, read and write."""
+    """Kernel variants on the raw launcher, pull (kernel on GPU 1) and push (kernel on GPU 0), P -> D."""
     rows = []
-    for unroll in (4, 8):
-        for ctas in (2, 4, 8):
-            for op, dev in (("read", 1), ("write", 0)):
-                stream = torch.cuda.Stream(device=dev)
-                cp = SegmentCopier(torch.device("cuda", dev), stream, unroll=unroll, ctas_per_sm=ctas)
-                for name, plan in plans.items():
-                    so, do = plan.remote_offsets, plan.local_offsets  # P -> D in both ops
-                    with torch.cuda.device(dev), torch.cuda.stream(stream):
-                        for _ in range(3):
-                            cp.copy(p.data_ptr(), d.data_ptr(), so, do, plan.sizes)
-                        times = []
-                        for _ in range(iters):
-                            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                            s.record(stream)
-                            cp.copy(p.data_ptr(), d.data_ptr(), so, do, plan.sizes)
-                            e.record(stream)
-                            e.synchronize()
-                            times.append(s.elapsed_time(e) * 1e-3)
-                    t = median(times)
-                    rows.append(
-                        {
-                            "unroll": unroll,
-                            "ctas_per_sm": ctas,
-                            "op": op,
-                            "case": name,
-                            "seconds": t,
-                            "gbps": plan.num_bytes / t / GB,
-                        }
-                    )
+    for variant in VARIANTS:
+        for op, dev in (("read", 1), ("write", 0)):
+            stream = torch.cuda.Stream(device=dev)
+            cp = SegmentCopier(torch.device("cuda", dev), stream, variant)
+            for name, plan in plans.items():
+                so, do = plan.remote_offsets, plan.local_offsets
+                with torch.cuda.device(dev), torch.cuda.stream(stream):
+                    for _ in range(3):
+                        cp.copy(p.data_ptr(), d.data_ptr(), so, do, plan.sizes)
+                    times = []
+                    for _ in range(iters):
+                        torch.cuda._sleep(HOLD_CYCLES)
+                        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                        s.record(stream)
+                        cp.copy(p.data_ptr(), d.data_ptr(), so, do, plan.sizes)
+                        e.record(stream)
+                        e.synchronize()
+                        times.append(s.elapsed_time(e) * 1e-3)
+                t = median(times)
+                rows.append(
+                    {
+                        **dataclasses.asdict(variant),
+                        "op": op,
+                        "case": name,
+                        "seconds": t,
+                        "gbps": plan.num_bytes / t / GB,
+                    }
+                )
     return rows
+
+
+def best_variant(rows: list[dict[str, Any]], case: str) -> KernelVariant:
+    """The variant with the highest mean of read and write GB/s on ``case``."""
+    fields = [f.name for f in dataclasses.fields(KernelVariant)]
+    score: dict[tuple[Any, ...], list[float]] = {}
+    for r in rows:
+        if r["case"] == case:
+            score.setdefault(tuple(r[f] for f in fields), []).append(r["gbps"])
+    key = max(score, key=lambda k: sum(score[k]) / len(score[k]))
+    return KernelVariant(**dict(zip(fields, key, strict=True)))
 
 
 def small(agents: dict[str, Any], p_mem: Any, d_mems: dict[str, Any], iters: int) -> list[dict[str, Any]]:
@@ -163,7 +188,7 @@ def small(agents: dict[str, Any], p_mem: Any, d_mems: dict[str, Any], iters: int
             def issue(agent: Any = agent, path: str = path, lo: Any = lo, ro: Any = ro, sz: Any = sz) -> Any:
                 return agent.read(d_mems[path], p_mem, lo, ro, sz)
 
-            dev_s = time_events(agent.stream(1), issue, iters)
+            dev_s = time_device(agent.stream(1), issue, iters)
             host_s = time_host(issue, iters)
             rows.append(
                 {"segments": count, "bytes": count * seg, "path": path, "device_s": dev_s, "host_s": host_s}
@@ -175,7 +200,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer iterations")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
-    ap.add_argument("--skip", default="", help="comma list of phases to skip: naive,sweep,small,nccl,nixl")
+    ap.add_argument("--skip", default="", help="comma list of phases to skip: sweep,naive,small,nccl,nixl")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     iters = 10 if args.quick else 30
@@ -205,15 +230,43 @@ def main() -> None:
     result["ceiling"] = ceiling(p_flat, d_flat, iters)
     ceil_gbps = result["ceiling"]["gbps"]
     print(f"(a) contiguous 1 GiB peer copy: {ceil_gbps:.1f} GB/s", flush=True)
+    P.time_transfers = D.time_transfers = True
+
+    # Kernel variants first, on the raw launcher; the agents then run the best one.
+    lm = KVLayout(**LAYOUT_KW, order=LAYER_MAJOR)
+    srng = np.random.default_rng(7)
+    sweep_plans = {
+        f"layer_major/{t}": plan_blocks(
+            srng.choice(2048, t // 16, replace=False), srng.choice(2048, t // 16, replace=False), lm, lm
+        )
+        for t in (128, 1024)
+    }
+    sweep_plans["contiguous/256MiB"] = TransferPlan(
+        np.zeros(1, np.int64), np.zeros(1, np.int64), np.array([256 << 20], np.int64)
+    )
+    if "sweep" not in skip:
+        result["sweep"] = sweep(p_flat, d_flat, sweep_plans, iters)
+        chosen = best_variant(result["sweep"], "layer_major/1024")
+        cuda_kernels.DEFAULT_VARIANT = chosen
+        result["variant"] = dataclasses.asdict(chosen)
+        print(f"kernel variant chosen by the sweep: {chosen}", flush=True)
+        for r in sorted(result["sweep"], key=lambda r: (r["case"], r["op"], -r["gbps"]))[::1]:
+            if r["case"] == "layer_major/1024":
+                print(
+                    f"   {r['op']:5} u{r['unroll']} c{r['ctas_per_sm']} t{r['threads']} ch{r['chunk_bytes']} "
+                    f"s{int(r['streaming'])}: {r['gbps']:6.1f} GB/s",
+                    flush=True,
+                )
+
     one = np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64), np.array([1 << 30], dtype=np.int64)
     for op, agent, dev in (("read", D, 1), ("write", P, 0)):
         mems = (d_mem, p_mem) if op == "read" else (p_mem, d_mem)
-        t = time_events(agent.stream(dev), lambda a=agent, m=mems, o=op: getattr(a, o)(*m, *one), iters)
+        t = time_device(agent.stream(dev), lambda a=agent, m=mems, o=op: getattr(a, o)(*m, *one), iters)
         result["ceiling"][f"kernel_{op}_gbps"] = (1 << 30) / t / GB
         print(f"    the same through the cuda_ipc kernel ({op}): {(1 << 30) / t / GB:.1f} GB/s", flush=True)
 
     rng = np.random.default_rng(42)
-    rows, cases, plans_lm = [], [], {}
+    rows, cases = [], []
     for order in (LAYER_MAJOR, BLOCK_MAJOR):
         layout = KVLayout(**LAYOUT_KW, order=order)
         for tokens in PROMPTS:
@@ -233,8 +286,6 @@ def main() -> None:
                     "sizes": plan.sizes,
                 }
             )
-            if order == LAYER_MAJOR and tokens in (128, 1024):
-                plans_lm[name] = plan
             row: dict[str, Any] = {
                 "case": name,
                 "order": order,
@@ -253,7 +304,7 @@ def main() -> None:
                 fill_random(d_flat, SEEDS[1] + 1)  # poison D: stale bytes cannot pass the check
                 issue().wait(timeout_s=60)
                 row[f"{op}_verified"] = blocks_equal(d_flat, p_ref, layout, d_blocks, p_blocks)
-                row[f"{op}_device_s"] = time_events(agent.stream(dev), issue, iters)
+                row[f"{op}_device_s"] = time_device(agent.stream(dev), issue, iters)
                 row[f"{op}_host_s"] = time_host(issue, iters)
                 row[f"{op}_gbps"] = plan.num_bytes / row[f"{op}_device_s"] / GB
                 row[f"{op}_vs_ceiling"] = row[f"{op}_gbps"] / ceil_gbps
@@ -272,11 +323,7 @@ def main() -> None:
             )
     result["cases"] = rows
 
-    phases: dict[str, Any] = {
-        "sweep": lambda: sweep(p_flat, d_flat, plans_lm, iters),
-        "small": lambda: small_phase(P, D, p_mem, iters),
-    }
-    run_phases(phases, skip, result)
+    run_phases({"small": lambda: small_phase(P, D, p_mem, iters)}, skip, result)
     P.close()
     D.close()
     p_flat = d_flat = p_ref = torch.empty(0)  # free the caches before the baselines allocate theirs
@@ -307,6 +354,7 @@ def run_phases(phases: dict[str, Any], skip: set[str], result: dict[str, Any]) -
 def small_phase(P: Any, D: Any, p_mem: Any, iters: int) -> list[dict[str, Any]]:
     memcpy_cfg = TransferConfig(backend="cuda_ipc", cuda_ipc=CudaIpcConfig(small_transfer_bytes=1 << 40))
     agents = {"kernel": D, "memcpy_each": create_agent(memcpy_cfg, "D-memcpy")}
+    agents["memcpy_each"].time_transfers = True
     d_mems = {"kernel": None, "memcpy_each": None}
     region = {k: a.allocate((4096 * (32 << 10),), torch.uint8, "cuda:1") for k, a in agents.items()}
     for k, a in agents.items():

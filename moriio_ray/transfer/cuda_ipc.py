@@ -86,6 +86,8 @@ class CudaIpcAgent(TransferAgent):
         self._ptrs: dict[tuple[str, int, int, int, int], int] = {}
         self._inflight: dict[str, list[CudaTransfer]] = {}
         self._tls = threading.local()
+        # Benchmarks: give each Transfer a start event after its waits, so device time excludes them.
+        self.time_transfers = False
 
     # -- memory ---------------------------------------------------------------------------------
 
@@ -164,8 +166,7 @@ class CudaIpcAgent(TransferAgent):
         remote_index = index_of_uuid(region.device_uuid)
         if self._same_process(peer.key):
             enable_peer_access(device_index, remote_index)
-            with torch.cuda.device(remote_index):
-                base, size = cuda_memory.allocation_range(region.ptr)
+            base, size = cuda_memory.allocation_range(region.ptr, remote_index)
             offset = region.ptr - base
         else:
             imports = self._imports[peer.key]
@@ -252,15 +253,20 @@ class CudaIpcAgent(TransferAgent):
             else:
                 lane.stream.wait_stream(after if after is not None else torch.cuda.current_stream(device))
             with torch.cuda.stream(lane.stream):
+                start = None
+                if self.time_transfers:
+                    start = torch.cuda.Event(enable_timing=True)
+                    start.record(lane.stream)
                 if total == 0:
                     pass
                 elif total < self.config.cuda_ipc.small_transfer_bytes:
                     lane.copier.copy_each(src, dst, src_off, dst_off, sizes)
                 else:
                     lane.copier.copy(src, dst, src_off, dst_off, sizes)
-                event = torch.cuda.Event()
+                event = torch.cuda.Event(enable_timing=self.time_transfers)
                 event.record(lane.stream)
         transfer = CudaTransfer(total, int(sizes.size), peer.key, event, lambda: self._peer_alive(peer.key))
+        transfer.start_event = start
         with self._lock:
             inflight = self._inflight.setdefault(peer.key, [])
             inflight[:] = [t for t in inflight if not t.event.query()]

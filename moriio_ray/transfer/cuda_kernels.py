@@ -6,7 +6,8 @@ segment sizes balance by themselves; a CTA finds its first segment by a binary s
 prefix sums. Each piece is copied with 16-byte loads and stores when source and destination agree
 modulo 16, else with 8-, 4- or 1-byte accesses; unaligned heads and tails go byte by byte.
 
-The offsets reach the device in one small host-to-device copy from pinned memory:
+The offsets reach the device in one small host-to-device copy from a pinned buffer (a ring of them,
+reused once their upload ran):
 ``meta = [src_off (n), dst_off (n), start (n + 1)]`` as int64, ``start`` the exclusive prefix sums.
 
 CuPy compiles and launches the kernel (it is imported here only, and only when cuda_ipc is chosen).
@@ -14,6 +15,7 @@ CuPy compiles and launches the kernel (it is imported here only, and only when c
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -22,13 +24,17 @@ import torch
 
 from moriio_ray.errors import BackendUnavailable
 
-THREADS = 512
-# A CTA gets at least this many bytes: less would leave most of its threads idle.
-MIN_CTA_BYTES = THREADS * 16 * 2
-
 _SOURCE = r"""
 typedef long long i64;
 typedef unsigned long long u64;
+
+#if STREAMING  // evict-first cache hints: the bytes are touched once
+#define LD(p) __ldcs(p)
+#define ST(p, v) __stcs((p), (v))
+#else
+#define LD(p) (*(p))
+#define ST(p, v) (*(p) = (v))
+#endif
 
 template <typename V, int U>
 __device__ __forceinline__ void copy_aligned(const char* __restrict__ s, char* __restrict__ d, i64 len) {
@@ -42,11 +48,11 @@ __device__ __forceinline__ void copy_aligned(const char* __restrict__ s, char* _
   for (; i + (U - 1) * bd < n; i += U * bd) {
     V r[U];
 #pragma unroll
-    for (int u = 0; u < U; ++u) r[u] = sv[i + u * bd];
+    for (int u = 0; u < U; ++u) r[u] = LD(sv + i + u * bd);
 #pragma unroll
-    for (int u = 0; u < U; ++u) dv[i + u * bd] = r[u];
+    for (int u = 0; u < U; ++u) ST(dv + i + u * bd, r[u]);
   }
-  for (; i < n; i += bd) dv[i] = sv[i];
+  for (; i < n; i += bd) ST(dv + i, LD(sv + i));
   for (i64 j = n * (i64)sizeof(V) + threadIdx.x; j < len; j += bd) d[j] = s[j];
 }
 
@@ -106,92 +112,140 @@ def cupy_module() -> Any:
     return cupy
 
 
+@dataclasses.dataclass(frozen=True)
+class KernelVariant:
+    """Launch shape of the copy kernel (chosen by measurement: bench/transfer_gpu_bench.py sweeps it)."""
+
+    unroll: int = 4  # 16-byte loads in flight per thread before their stores
+    ctas_per_sm: int = 4
+    threads: int = 512  # per CTA, at most 512
+    chunk_bytes: int = 0  # bytes per CTA work item; 0: split the transfer evenly over the CTAs
+    streaming: bool = False  # evict-first cache hints on loads and stores
+
+
+DEFAULT_VARIANT = KernelVariant()
+
+
 @functools.cache
-def _kernel(device_index: int, unroll: int) -> Any:
+def _kernel(device_index: int, unroll: int, streaming: bool) -> Any:
     cp = cupy_module()
     with cp.cuda.Device(device_index):
-        kernel = cp.RawKernel(_SOURCE, "segment_copy", options=(f"-DUNROLL={unroll}",))
+        options = (f"-DUNROLL={unroll}", f"-DSTREAMING={int(streaming)}")
+        kernel = cp.RawKernel(_SOURCE, "segment_copy", options=options)
         kernel.compile()
     return kernel
 
 
-def build_meta(src_offsets: np.ndarray, dst_offsets: np.ndarray, sizes: np.ndarray) -> torch.Tensor:
-    """The kernel's metadata in a pinned host tensor: [src_off (n), dst_off (n), start (n + 1)] int64."""
+def fill_meta(view: np.ndarray, src_offsets: np.ndarray, dst_offsets: np.ndarray, sizes: np.ndarray) -> int:
+    """Write [src_off (n), dst_off (n), start (n + 1)] into ``view``; returns the total bytes."""
     n = int(sizes.size)
-    meta = torch.empty(3 * n + 1, dtype=torch.int64, pin_memory=True)
-    view = meta.numpy()
     view[:n] = src_offsets
     view[n : 2 * n] = dst_offsets
     view[2 * n] = 0
-    np.cumsum(sizes, out=view[2 * n + 1 :])
-    return meta
+    np.cumsum(sizes, out=view[2 * n + 1 : 3 * n + 1])
+    return int(view[3 * n])
 
 
-def launch_grid(total_bytes: int, num_sms: int, ctas_per_sm: int, max_ctas: int) -> tuple[int, int]:
-    """(number of CTAs, bytes per CTA chunk, a multiple of 16) for one copy of ``total_bytes``."""
-    limit = max_ctas if max_ctas > 0 else num_sms * ctas_per_sm
-    ctas = max(1, min(limit, -(-total_bytes // MIN_CTA_BYTES)))
-    chunk = -(-total_bytes // ctas)
+def launch_grid(total_bytes: int, num_sms: int, variant: KernelVariant, max_ctas: int = 0) -> tuple[int, int]:
+    """(number of CTAs, bytes per CTA work item, a multiple of 16) for one copy of ``total_bytes``."""
+    limit = max_ctas if max_ctas > 0 else num_sms * variant.ctas_per_sm
+    if variant.chunk_bytes > 0:
+        chunk = variant.chunk_bytes
+    else:
+        # at least two full passes of the CTA's threads each: fewer bytes leave threads idle
+        ctas = max(1, min(limit, -(-total_bytes // (variant.threads * 32))))
+        chunk = -(-total_bytes // ctas)
     chunk = (chunk + 15) // 16 * 16
-    return -(-total_bytes // chunk), chunk
+    return max(1, min(limit, -(-total_bytes // chunk))), chunk
+
+
+class _Slot:
+    """One pinned staging buffer for the metadata and its device twin (reused round-robin)."""
+
+    def __init__(self) -> None:
+        self.host: torch.Tensor | None = None
+        self.dev: torch.Tensor | None = None
+        self.staged: torch.cuda.Event | None = None  # the host-to-device copy out of ``host``
 
 
 class SegmentCopier:
     """Launches the segment-copy kernel on one device and one stream."""
 
+    SLOTS = 8
+
     def __init__(
         self,
         device: torch.device,
         stream: torch.cuda.Stream,
-        *,
-        unroll: int = 4,
-        ctas_per_sm: int = 4,
+        variant: KernelVariant | None = None,
         max_ctas: int = 0,
     ) -> None:
         cp = cupy_module()
         assert device.index is not None
         self.device = device
         self.stream = stream
+        self.variant = variant or DEFAULT_VARIANT
+        assert 32 <= self.variant.threads <= 512
         self.max_ctas = max_ctas
-        self.ctas_per_sm = ctas_per_sm
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-        self._kernel = _kernel(device.index, unroll)
-        self._cp_stream = cp.cuda.ExternalStream(stream.cuda_stream, device.index)
+        self._kernel = _kernel(device.index, self.variant.unroll, self.variant.streaming)
         self._cp = cp
+        self._cp_stream = cp.cuda.ExternalStream(stream.cuda_stream, device.index)
+        self._slots = [_Slot() for _ in range(self.SLOTS)]
+        self._next = 0
+
+    def _stage(self, src_offsets: np.ndarray, dst_offsets: np.ndarray, sizes: np.ndarray) -> tuple[int, int]:
+        """Copy the metadata to the device on the stream; returns (device address, total bytes)."""
+        slot = self._slots[self._next]
+        self._next = (self._next + 1) % self.SLOTS
+        need = 3 * int(sizes.size) + 1
+        if slot.staged is not None:
+            slot.staged.synchronize()  # the host buffer is free again once its last upload ran
+        if slot.host is None or slot.host.numel() < need:
+            cap = 1 << max(12, (need - 1).bit_length())
+            slot.host = torch.empty(cap, dtype=torch.int64, pin_memory=True)
+            # allocated on the copy stream, so the caching allocator reuses it only after our kernels
+            with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+                slot.dev = torch.empty(cap, dtype=torch.int64, device=self.device)
+            slot.staged = torch.cuda.Event()
+        assert slot.dev is not None and slot.staged is not None
+        total = fill_meta(slot.host.numpy(), src_offsets, dst_offsets, sizes)
+        rt = self._cp.cuda.runtime
+        rt.memcpyAsync(
+            slot.dev.data_ptr(),
+            slot.host.data_ptr(),
+            need * 8,
+            rt.memcpyHostToDevice,
+            self.stream.cuda_stream,
+        )
+        slot.staged.record(self.stream)
+        return slot.dev.data_ptr(), total
 
     def copy(
         self, src_ptr: int, dst_ptr: int, src_offsets: np.ndarray, dst_offsets: np.ndarray, sizes: np.ndarray
-    ) -> torch.Tensor:
-        """Enqueue the copy on ``self.stream``; returns the device metadata, to keep alive until done.
-
-        Must be called with ``self.stream`` current (the metadata is allocated on it).
-        """
-        total = int(sizes.sum())
+    ) -> None:
+        """Enqueue the copy of all segments on ``self.stream`` (one upload, one launch)."""
         n = int(sizes.size)
-        assert n > 0 and total > 0
-        host_meta = build_meta(src_offsets, dst_offsets, sizes)
-        dev_meta = torch.empty_like(host_meta, device=self.device)
-        dev_meta.copy_(host_meta, non_blocking=True)
-        ctas, chunk = launch_grid(total, self.num_sms, self.ctas_per_sm, self.max_ctas)
-        args = (
-            np.uint64(src_ptr),
-            np.uint64(dst_ptr),
-            np.uint64(dev_meta.data_ptr()),
-            np.int32(n),
-            np.int64(total),
-            np.int64(chunk),
-        )
+        assert n > 0
         with self._cp.cuda.Device(self.device.index):
-            self._kernel((ctas,), (THREADS,), args, stream=self._cp_stream)
-        return dev_meta
+            meta_ptr, total = self._stage(src_offsets, dst_offsets, sizes)
+            ctas, chunk = launch_grid(total, self.num_sms, self.variant, self.max_ctas)
+            args = (
+                np.uint64(src_ptr),
+                np.uint64(dst_ptr),
+                np.uint64(meta_ptr),
+                np.int32(n),
+                np.int64(total),
+                np.int64(chunk),
+            )
+            self._kernel((ctas,), (self.variant.threads,), args, stream=self._cp_stream)
 
     def copy_each(
         self, src_ptr: int, dst_ptr: int, src_offsets: np.ndarray, dst_offsets: np.ndarray, sizes: np.ndarray
     ) -> None:
         """One cudaMemcpyAsync per segment (copy engines): the small-transfer path."""
-        memcpy = self._cp.cuda.runtime.memcpyAsync
-        kind = self._cp.cuda.runtime.memcpyDefault
+        rt = self._cp.cuda.runtime
         handle = self.stream.cuda_stream
         with self._cp.cuda.Device(self.device.index):
             for so, do, sz in zip(src_offsets.tolist(), dst_offsets.tolist(), sizes.tolist(), strict=True):
-                memcpy(dst_ptr + do, src_ptr + so, sz, kind, handle)
+                rt.memcpyAsync(dst_ptr + do, src_ptr + so, sz, rt.memcpyDefault, handle)

@@ -34,16 +34,30 @@ def _libcuda() -> Any:
     return ctypes.CDLL("libcuda.so.1")
 
 
-def allocation_range(ptr: int) -> tuple[int, int]:
-    """(base address, size in bytes) of the device allocation containing ``ptr`` (current context)."""
-    base = ctypes.c_uint64(0)
-    size = ctypes.c_size_t(0)
-    fn = _libcuda().cuMemGetAddressRange_v2
-    fn.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t), ctypes.c_uint64]
-    rc = fn(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr))
+def allocation_range(ptr: int, device_index: int) -> tuple[int, int]:
+    """(base address, size in bytes) of the device allocation containing ``ptr``, seen from a GPU."""
+    cp = cupy_module()
+    rt = cp.cuda.runtime
+    previous = rt.getDevice()
+    # cudaSetDevice also makes the device's primary context current in this thread, which the
+    # driver call below needs (a fresh thread has none, even where getDevice() already says so).
+    rt.setDevice(device_index)
+    try:
+        base = ctypes.c_uint64(0)
+        size = ctypes.c_size_t(0)
+        rc = _get_address_range()(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr))
+    finally:
+        rt.setDevice(previous)
     if rc != 0:
         raise ConfigError(f"tensor: address {ptr:#x} is not device memory of this process (CUDA error {rc})")
     return int(base.value), int(size.value)
+
+
+@functools.lru_cache(maxsize=1)
+def _get_address_range() -> Any:
+    fn = _libcuda().cuMemGetAddressRange_v2
+    fn.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t), ctypes.c_uint64]
+    return fn
 
 
 def allocate(num_bytes: int, device: torch.device) -> torch.Tensor:
@@ -63,8 +77,8 @@ def export_region(tensor: torch.Tensor, device_uuid: str) -> CudaRegion:
     cp = cupy_module()
     assert tensor.device.index is not None
     ptr = tensor.data_ptr()
+    base, _ = allocation_range(ptr, tensor.device.index)
     with cp.cuda.Device(tensor.device.index):
-        base, _ = allocation_range(ptr)
         try:
             handle = bytes(cp.cuda.runtime.ipcGetMemHandle(base))
         except cp.cuda.runtime.CUDARuntimeError as exc:
@@ -88,7 +102,7 @@ def open_handle(handle: bytes, device_index: int) -> tuple[int, int]:
                 "its GPU visible here and P2P-reachable from GPU "
                 f"{device_index} (for Ray actors: runtime_env env_vars ray_actor_env())"
             ) from exc
-        _, size = allocation_range(base)
+    _, size = allocation_range(base, device_index)
     return base, size
 
 

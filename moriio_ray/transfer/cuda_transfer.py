@@ -58,6 +58,13 @@ class CudaTransfer(Transfer):
         self.event = event
         self._peer_alive = peer_alive
         self._error: BaseException | None = None
+        self.start_event: torch.cuda.Event | None = None  # set when the agent times transfers
+
+    def device_seconds(self) -> float:
+        """GPU time from the start of the copy (after its waits) to its end; needs ``time_transfers``."""
+        assert self.start_event is not None, "set agent.time_transfers = True before issuing"
+        self.event.synchronize()
+        return float(self.start_event.elapsed_time(self.event)) * 1e-3
 
     def fail(self, error: BaseException) -> None:
         """Mark the transfer failed (the copy may still run; its bytes are not to be trusted)."""
