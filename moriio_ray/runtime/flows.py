@@ -56,6 +56,7 @@ class Flows:
         self.router = router
         self.coordinator = coordinator
         self.timeout_s = config.runtime.remote_timeout_s
+        self.counters = {"prefill_retries": 0, "continuations": 0, "peer_lost": 0}
 
     def _dead(self, member: Member) -> None:
         self.coordinator.report_failure.remote(member.key, member.epoch)
@@ -80,8 +81,10 @@ class Flows:
             except ray.exceptions.RayActorError as exc:
                 # The decode side died mid-stream (prefill deaths are retried inside the flows).
                 if self.config.transfer.on_transfer_failure != "recompute" or state.retries >= 1:
+                    self.counters["peer_lost"] += 1
                     raise PeerLost(f"the worker serving {req.request_id} died: {exc}") from None
                 state.retries += 1
+                self.counters["continuations"] += 1
                 left = budget - len(state.emitted)
                 if left <= 0:
                     return
@@ -151,6 +154,7 @@ class Flows:
                 tried.append(p.key)
                 if attempt >= self.config.runtime.prefill_retries:
                     raise
+                self.counters["prefill_retries"] += 1
                 log.warning("prefill of %s: %s died, retrying on another P", req.request_id, p.key)
             except BaseException:
                 ray.cancel(ref)  # cancelled or timed out: P aborts the request and frees its blocks
@@ -205,6 +209,7 @@ class Flows:
                 tried.append(p.key)
                 if attempt >= self.config.runtime.prefill_retries:
                     raise
+                self.counters["prefill_retries"] += 1
                 log.warning("prefill_push of %s: %s died, retrying on another P", req.request_id, p.key)
             except BaseException:
                 ray.cancel(ref)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -50,6 +51,8 @@ class StreamEvent(msgspec.Struct, kw_only=True):
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     timings: dict[str, float] | None = None  # on the last event
+    prefill_worker: str | None = None
+    decode_worker: str | None = None
 
 
 class GenerationResult(msgspec.Struct, kw_only=True):
@@ -62,6 +65,8 @@ class GenerationResult(msgspec.Struct, kw_only=True):
     num_prompt_tokens: int
     logprobs: list[float] | None = None
     timings: dict[str, float] = msgspec.field(default_factory=dict)
+    prefill_worker: str | None = None
+    decode_worker: str | None = None
 
 
 class PDPipeline:
@@ -152,6 +157,9 @@ class PDPipeline:
     ) -> GenRequest:
         """Tokenize and validate a request (InvalidRequest / CapacityError for bad input)."""
         params = params or SamplingParams()
+        if params.seed is None and params.temperature > 0:
+            # P samples the first token and D the rest: both must draw from the same seed.
+            params = msgspec.structs.replace(params, seed=secrets.randbits(63))
         if (prompt is None) == (token_ids is None):
             raise InvalidRequest("give exactly one of prompt and token_ids")
         ids = list(token_ids) if token_ids is not None else self.tokenizer.encode(str(prompt))
@@ -216,6 +224,8 @@ class PDPipeline:
                 num_prompt_tokens=len(req.prompt_token_ids),
                 num_output_tokens=n_out,
                 timings=dict(state.timings) if chunk.finished else None,
+                prefill_worker=state.prefill_key,
+                decode_worker=state.decode_key,
             )
             if chunk.finished:
                 return
@@ -248,6 +258,8 @@ class PDPipeline:
             num_prompt_tokens=len(req.prompt_token_ids),
             logprobs=logprobs,
             timings=last.timings or {},
+            prefill_worker=last.prefill_worker,
+            decode_worker=last.decode_worker,
         )
 
     def generate(
@@ -263,11 +275,40 @@ class PDPipeline:
             self.generate_async(prompt, token_ids=token_ids, params=params, request_id=request_id)
         )
 
+    async def generate_batch_async(
+        self,
+        prompts: list[str] | list[list[int]],
+        params: SamplingParams | None = None,
+        *,
+        max_concurrency: int = 16,
+    ) -> list[GenerationResult]:
+        """Run many requests, at most ``max_concurrency`` at a time; results in input order."""
+        gate = asyncio.Semaphore(max_concurrency)
+
+        async def one(p: str | list[int]) -> GenerationResult:
+            async with gate:
+                if isinstance(p, str):
+                    return await self.generate_async(p, params=params)
+                return await self.generate_async(token_ids=p, params=params)
+
+        return list(await asyncio.gather(*(one(p) for p in prompts)))
+
+    def generate_batch(
+        self,
+        prompts: list[str] | list[list[int]],
+        params: SamplingParams | None = None,
+        *,
+        max_concurrency: int = 16,
+    ) -> list[GenerationResult]:
+        """Blocking form of ``generate_batch_async``."""
+        return self._sync(self.generate_batch_async(prompts, params, max_concurrency=max_concurrency))
+
     # -- management -----------------------------------------------------------------------------
 
     async def stats_async(self) -> dict[str, Any]:
         stats: dict[str, Any] = await self.coordinator.stats.remote()
         stats["router"] = {"outstanding": dict(self.router.outstanding), "served": dict(self.router.served)}
+        stats["flows"] = dict(self.flows.counters)
         return stats
 
     def stats(self) -> dict[str, Any]:
@@ -276,6 +317,8 @@ class PDPipeline:
 
     def shutdown(self) -> None:
         """Stop every worker and the coordinator."""
+        if self._watch is not None and self._watch_loop is not None and not self._watch_loop.is_closed():
+            self._watch_loop.call_soon_threadsafe(self._watch.cancel)
         try:
             ray.get(self.coordinator.shutdown.remote(), timeout=60)
         finally:

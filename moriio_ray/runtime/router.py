@@ -25,6 +25,10 @@ class Router:
     def update(self, membership: Membership) -> None:
         if membership.version <= self.membership.version:
             return
+        old = {m.key: m.epoch for m in self.membership.members}
+        for m in membership.members:
+            if old.get(m.key, m.epoch) != m.epoch:  # a replacement starts with a clean record
+                self.served.pop(m.key, None)
         self.membership = membership
         live = {m.key for m in membership.members}
         for key in list(self.outstanding):

@@ -63,6 +63,7 @@ class EngineWorker:
             role=self.role,
             agent=self.agent,
             lease_grace_s=config.transfer.lease_grace_s,
+            lease_s=config.transfer.kv_lease_s,
         )
         if self.engine.kv_mem is None:
             raise ConfigError("engine: the KV cache was not registered with the transfer agent")
@@ -141,6 +142,10 @@ class EngineWorker:
             "pending_reservations": len(self._reservations),
         }
 
+    async def debug_inject_delay(self, delay_s: float) -> None:
+        """Test hook: this worker's transfers report completion only ``delay_s`` after issue."""
+        self.agent.inject_delay(delay_s)
+
     async def shutdown(self) -> None:
         if self._closed:
             return
@@ -189,7 +194,9 @@ class EngineWorker:
                 lease_deadline_unix=pre.lease_deadline_unix,
                 prefill_done_unix=time.time(),
                 prefill_s=prefill_s,
-                finished=out.finished,
+                # a prefill engine always ends the request at its first token; a finish reason
+                # says that the first token already completed it (EOS, stop, max_tokens == 1)
+                finished=out.finish_reason is not None,
                 finish_reason=out.finish_reason,
             )
             ok = True
@@ -312,7 +319,7 @@ class EngineWorker:
                 push_wait_s=push_wait_s,
                 num_bytes=pusher.num_bytes,
                 num_segments=pusher.num_segments,
-                finished=out.finished,
+                finished=out.finish_reason is not None,
                 finish_reason=out.finish_reason,
             )
         finally:

@@ -221,6 +221,7 @@ class TransferAgent(abc.ABC):
                 if desc.epoch == known.epoch and desc == known:
                     return
                 self._disconnect(known, PeerLost(f"peer {desc.key!r} was replaced by epoch {desc.epoch}"))
+                del self._peers[desc.key]  # its resources are gone even if the new connect fails
             self._connect(desc)
             self._peers[desc.key] = desc
 

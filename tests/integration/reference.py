@@ -1,0 +1,23 @@
+"""Colocated reference tokens from the real engine in this process (no Ray)."""
+
+from __future__ import annotations
+
+from moriio_ray.config import EngineConfig, ModelConfig
+from moriio_ray.engine.engine import Engine
+from moriio_ray.engine.sampling import SamplingParams
+from tests.integration.helpers import BLOCK_SIZE, NUM_BLOCKS
+
+
+def colocated_tokens(prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+    engine = Engine(
+        ModelConfig(preset="tiny", seed=0),
+        EngineConfig(device="cpu", num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE),
+        role="colocated",
+    )
+    out: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    for i, ids in enumerate(prompts):
+        engine.add_request(str(i), ids, params)
+    while engine.has_work():
+        for step in engine.step():
+            out[step.request_id].extend(step.new_token_ids)
+    return [out[str(i)] for i in range(len(prompts))]

@@ -1,0 +1,200 @@
+"""Failure rules (DESIGN section 6): worker deaths, cancellation and late transfers leak nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from typing import Any
+
+import pytest
+import ray
+
+from moriio_ray import PDPipeline, SamplingParams
+from moriio_ray.errors import PeerLost, TransferTimeout
+from tests.integration.helpers import assert_no_leaks, tiny_config, varied_prompts, wait_until
+
+pytestmark = pytest.mark.usefixtures("ray_cpu")
+
+LONG = SamplingParams(max_tokens=400, ignore_eos=True)
+
+
+def _member(pipe: PDPipeline, key: str) -> Any:
+    return ray.get(pipe.coordinator.lookup.remote(key))
+
+
+def _epoch(pipe: PDPipeline, key: str) -> int:
+    m = _member(pipe, key)
+    return 0 if m is None else m.epoch
+
+
+async def _consume(pipe: PDPipeline, ids: list[int], params: SamplingParams, seen: dict[str, Any]) -> Any:
+    """Stream one request; record which decode worker serves it and how many tokens came."""
+    tokens: list[int] = []
+    rid = f"r{len(seen)}-{random.getrandbits(32)}"
+    seen[rid] = {"tokens": tokens, "decode": None, "error": None, "ended": None}
+    try:
+        async for ev in pipe.stream(token_ids=ids, params=params, request_id=rid):
+            tokens.extend(ev.token_ids)
+            seen[rid]["decode"] = ev.decode_worker
+    except Exception as exc:
+        seen[rid]["error"] = exc
+    seen[rid]["ended"] = time.monotonic()
+    return seen[rid]
+
+
+async def _run_until(pipe: PDPipeline, params: SamplingParams, n: int, min_tokens: int, action: Any) -> dict:
+    """Start n streams; once each has min_tokens, run ``action`` (a kill); then wait for all."""
+    seen: dict[str, Any] = {}
+    prompts = varied_prompts(n, seed=7)
+    tasks = [asyncio.ensure_future(_consume(pipe, p, params, seen)) for p in prompts]
+    deadline = time.monotonic() + 60
+    while not (len(seen) == n and all(len(s["tokens"]) >= min_tokens for s in seen.values())):
+        assert time.monotonic() < deadline, "streams did not start"
+        await asyncio.sleep(0.01)
+    killed_at = time.monotonic()
+    action()
+    await asyncio.wait_for(asyncio.gather(*tasks), 60)
+    return {"seen": seen, "killed_at": killed_at}
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(
+    ("mode", "on_failure"), [("read", "fail"), ("read", "recompute"), ("write", "recompute")]
+)
+def test_decode_worker_killed_mid_stream(mode: str, on_failure: str) -> None:
+    name = f"kill-d-{mode}-{on_failure}"
+    pipe = PDPipeline.launch(
+        tiny_config(name, mode=mode, decode=2, transfer={"on_transfer_failure": on_failure})
+    )
+    victim = f"{name}-decode-0"
+    try:
+        actor = _member(pipe, victim).actor
+        out = pipe._sync(_run_until(pipe, LONG, 8, 5, lambda: ray.kill(actor, no_restart=True)))
+        on_victim = [s for s in out["seen"].values() if s["decode"] == victim]
+        others = [s for s in out["seen"].values() if s["decode"] != victim]
+        assert on_victim, "no request was served by the killed worker"
+        for s in others:
+            assert s["error"] is None and len(s["tokens"]) == 400
+        for s in on_victim:
+            if on_failure == "fail":
+                assert isinstance(s["error"], PeerLost), s["error"]
+                assert s["ended"] - out["killed_at"] < 5.0
+            else:
+                assert s["error"] is None and len(s["tokens"]) == 400
+        # The coordinator replaces the dead worker at a new epoch, and the replacement serves.
+        wait_until(lambda: _epoch(pipe, victim) == 2, 30, "a replacement decode worker")
+        wait_until(
+            lambda: (
+                pipe.router.membership.find(victim) is not None
+                and pipe.router.membership.find(victim).epoch == 2
+            ),
+            10,
+            "the router to see it",
+        )
+        results = pipe.generate_batch(
+            varied_prompts(6, seed=3), SamplingParams(max_tokens=4), max_concurrency=1
+        )
+        assert any(r.decode_worker == victim for r in results)
+        assert pipe.stats()["workers"][victim]["requests"] > 0
+        assert_no_leaks(pipe)
+    finally:
+        pipe.shutdown()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["read", "write"])
+def test_prefill_worker_killed_is_retried(mode: str) -> None:
+    name = f"kill-p-{mode}"
+    pipe = PDPipeline.launch(tiny_config(name, mode=mode, prefill=2))
+    try:
+        pipe._sync(pipe._refresh())
+        # Freeze this driver's view of the membership, so that requests still go to the dead P.
+        if pipe._watch is not None:
+            pipe._watch.cancel()
+        ray.kill(_member(pipe, f"{name}-prefill-0").actor, no_restart=True)
+        prompts = varied_prompts(12, seed=5)
+        results = pipe.generate_batch(
+            prompts, SamplingParams(max_tokens=6, ignore_eos=True), max_concurrency=12
+        )
+        assert all(len(r.token_ids) == 6 for r in results)
+        assert all(r.prefill_worker == f"{name}-prefill-1" for r in results)
+        assert pipe.flows.counters["prefill_retries"] >= 1
+        wait_until(lambda: _epoch(pipe, f"{name}-prefill-0") == 2, 30, "a replacement prefill worker")
+        assert_no_leaks(pipe)
+    finally:
+        pipe.shutdown()
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("mode", ["read", "write"])
+def test_cancelling_streams_leaks_nothing(mode: str) -> None:
+    pipe = PDPipeline.launch(tiny_config(f"cancel-{mode}", mode=mode, decode=2, prefill=2))
+    rng = random.Random(11)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+
+    async def one(ids: list[int], cancel_after: int | None) -> int:
+        agen = pipe.stream(token_ids=ids, params=params)
+        n = 0
+        try:
+            async for ev in agen:
+                n += len(ev.token_ids)
+                if cancel_after is not None and n >= cancel_after:
+                    break
+        finally:
+            await agen.aclose()
+        return n
+
+    async def run() -> list[Any]:
+        prompts = varied_prompts(40, seed=9)
+        jobs = []
+        for i, ids in enumerate(prompts):
+            cancel = rng.choice([0, 1, 3, 10, 25]) if i % 5 == 0 else None  # 20 % cancelled
+            task = asyncio.ensure_future(one(ids, cancel))
+            if i % 10 == 5:  # and two more cancelled as tasks, wherever they are
+                asyncio.get_running_loop().call_later(rng.uniform(0.0, 0.3), task.cancel)
+            jobs.append(task)
+        return await asyncio.gather(*jobs, return_exceptions=True)
+
+    try:
+        out = pipe._sync(run())
+        finished = [n for n in out if isinstance(n, int) and n == 40]
+        assert len(finished) >= 28
+        assert_no_leaks(pipe)
+    finally:
+        pipe.shutdown()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("on_failure", ["recompute", "fail"])
+def test_transfer_delayed_past_deadline(on_failure: str) -> None:
+    name = f"delay-{on_failure}"
+    transfer = {"timeout_s": 1.0, "kv_lease_s": 5.0, "lease_grace_s": 1.0, "on_transfer_failure": on_failure}
+    pipe = PDPipeline.launch(tiny_config(name, transfer=transfer))
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    prompt = varied_prompts(3, seed=2)[2]
+    try:
+        expected = pipe.generate(token_ids=prompt, params=params).token_ids
+        d = _member(pipe, f"{name}-decode-0").actor
+        ray.get(d.debug_inject_delay.remote(3.0))
+        t0 = time.monotonic()
+        if on_failure == "recompute":
+            result = pipe.generate(token_ids=prompt, params=params)
+            assert result.token_ids == expected
+            assert result.timings.get("recomputed") == 1.0
+        else:
+            with pytest.raises(TransferTimeout):
+                pipe.generate(token_ids=prompt, params=params)
+        assert time.monotonic() - t0 < 3.0  # gave up at the transfer deadline, not the delay
+        assert pipe.stats()["workers"][f"{name}-decode-0"]["transfer_failures"] == 1
+        # P's lease is released at once (well before lease + grace = 6 s), D's blocks once the late
+        # read ends.
+        wait_until(
+            lambda: pipe.stats()["workers"][f"{name}-prefill-0"]["num_leased_blocks"] == 0,
+            1.5,
+            "P's lease to be released",
+        )
+        ray.get(d.debug_inject_delay.remote(0.0))
+        assert_no_leaks(pipe, timeout_s=10)
+    finally:
+        pipe.shutdown()
