@@ -1,4 +1,7 @@
-"""The contract suite for the CPU backends, tcp and shm, plus what is specific to each of them."""
+"""The contract suite for the CPU backends, tcp and shm, plus what is specific to each of them.
+
+Where CUDA is present, tcp also runs the whole suite with its regions in GPU memory (``tcp-cuda``).
+"""
 
 from __future__ import annotations
 
@@ -28,7 +31,19 @@ class ShmHarness(Harness):
     hold_side = "client"  # the caller's copy parks between chunks
 
 
-@pytest.fixture(params=[TcpHarness, ShmHarness], ids=["tcp", "shm"])
+class TcpCudaHarness(TcpHarness):
+    """tcp with the regions in GPU memory: the pinned staging path, where CUDA is present."""
+
+    device = "cuda:0"
+
+
+_NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="tcp over GPU memory needs CUDA")
+
+
+@pytest.fixture(
+    params=[TcpHarness, ShmHarness, pytest.param(TcpCudaHarness, marks=[pytest.mark.gpu, _NO_CUDA])],
+    ids=["tcp", "shm", "tcp-cuda"],
+)
 def harness(request: pytest.FixtureRequest) -> Iterator[Harness]:
     with request.param() as h:
         yield h
