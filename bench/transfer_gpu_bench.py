@@ -241,6 +241,11 @@ def main() -> None:
         )
         for t in (128, 1024)
     }
+    # the 1k case's 4,096 segments of 32 KiB, but in order: per-segment cost without the scatter
+    in_order = np.arange(4096, dtype=np.int64) * lm.segment_bytes
+    sweep_plans["in_order/4096x32KiB"] = TransferPlan(
+        in_order, in_order.copy(), np.full(4096, lm.segment_bytes)
+    )
     sweep_plans["contiguous/256MiB"] = TransferPlan(
         np.zeros(1, np.int64), np.zeros(1, np.int64), np.array([256 << 20], np.int64)
     )
@@ -302,6 +307,7 @@ def main() -> None:
 
             for op, issue, agent, dev in (("read", pull, D, 1), ("write", push, P, 0)):
                 fill_random(d_flat, SEEDS[1] + 1)  # poison D: stale bytes cannot pass the check
+                sync()  # a push from GPU 0 is not ordered after GPU 1's streams: finish the poison first
                 issue().wait(timeout_s=60)
                 row[f"{op}_verified"] = blocks_equal(d_flat, p_ref, layout, d_blocks, p_blocks)
                 row[f"{op}_device_s"] = time_device(agent.stream(dev), issue, iters)
@@ -310,6 +316,7 @@ def main() -> None:
                 row[f"{op}_vs_ceiling"] = row[f"{op}_gbps"] / ceil_gbps
             if "naive" not in skip:
                 fill_random(d_flat, SEEDS[1] + 2)
+                sync()
                 t = naive(p_flat, d_flat, plan, 2 if plan.num_segments > 4096 else max(3, iters // 3))
                 row["naive_verified"] = blocks_equal(d_flat, p_ref, layout, d_blocks, p_blocks)
                 row["naive_s"], row["naive_gbps"] = t, plan.num_bytes / t / GB

@@ -44,13 +44,14 @@ class Worker:
             "mem": self.mem,
         }
 
-    def pull(self, desc: Any, mem: Any, num_bytes: int) -> np.ndarray:
+    def pull(self, desc: Any, mem: Any, start: int, stop: int) -> np.ndarray:
+        """Read the peer's bytes [start, stop) into the same place here; return them from here."""
         import torch
 
         self.agent.connect(desc)
-        self.agent.read(self.mem, mem, [0], [0], [num_bytes]).wait(timeout_s=30)
+        self.agent.read(self.mem, mem, [start], [start], [stop - start]).wait(timeout_s=30)
         torch.cuda.synchronize(self.device)
-        return self.region[:num_bytes].cpu().numpy()
+        return self.region[start:stop].cpu().numpy()
 
 
 def test_ray_actor_env_names_rays_variable() -> None:
@@ -74,9 +75,11 @@ def test_two_ray_actors_on_two_gpus_move_data_through_cuda_ipc() -> None:
         assert info_a["visible"] == info_b["visible"] == 2, "workers must see both GPUs"
         assert info_a["ray_gpu_ids"] != info_b["ray_gpu_ids"]
         assert info_a["uuid"] != info_b["uuid"], "select_device gave both actors the same GPU"
-        got = ray.get(a.pull.remote(info_b["desc"], info_b["mem"], REGION_BYTES), timeout=60)
-        assert np.array_equal(got, pattern(REGION_BYTES, 32))
-        got = ray.get(b.pull.remote(info_a["desc"], info_a["mem"], REGION_BYTES // 2), timeout=60)
-        assert np.array_equal(got, pattern(REGION_BYTES, 31)[: REGION_BYTES // 2])
+        half = REGION_BYTES // 2
+        # a pulls b's first half over a's own bytes, then b pulls a's (untouched) second half
+        got = ray.get(a.pull.remote(info_b["desc"], info_b["mem"], 0, half), timeout=60)
+        assert np.array_equal(got, pattern(REGION_BYTES, 32)[:half])
+        got = ray.get(b.pull.remote(info_a["desc"], info_a["mem"], half, REGION_BYTES), timeout=60)
+        assert np.array_equal(got, pattern(REGION_BYTES, 31)[half:])
     finally:
         ray.shutdown()
