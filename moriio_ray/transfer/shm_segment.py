@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from moriio_ray.errors import ConfigError, PeerLost, StaleDescriptor
+from moriio_ray.errors import BackendUnavailable, ConfigError, PeerLost, StaleDescriptor
 
 SHM_DIR = Path("/dev/shm")  # where POSIX shm_open puts segments on Linux
 PREFIX = "moriio-"
@@ -71,8 +71,15 @@ class Segment:
         name = f"{PREFIX}{os.getpid()}-{next(_counter)}-{safe_key}"
         fd = os.open(SHM_DIR / name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
-            os.ftruncate(fd, HEADER_BYTES + num_bytes)
+            # reserve the pages now: a sparse file on a full tmpfs would SIGBUS on first touch instead
+            os.posix_fallocate(fd, 0, HEADER_BYTES + num_bytes)
             mm = mmap.mmap(fd, HEADER_BYTES + num_bytes)
+        except OSError as exc:
+            os.unlink(SHM_DIR / name)
+            raise BackendUnavailable(
+                f"shm: cannot reserve {num_bytes} bytes in {SHM_DIR} ({exc}); free space there, "
+                "give the container a larger /dev/shm, or use a smaller KV cache"
+            ) from None
         finally:
             os.close(fd)
         seg = cls(name, mm)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from moriio_ray.config import TcpConfig
-from moriio_ray.errors import ConfigError
+from moriio_ray.errors import BackendUnavailable, ConfigError
 from moriio_ray.transfer.shm import sweep_stale_segments
 from moriio_ray.transfer.shm_segment import SHM_DIR
 from tests.contract.harness import Harness, pattern
@@ -148,3 +148,15 @@ def test_shm_sweep_unlinks_segments_of_dead_owners() -> None:
         assert _segments_of(peer.pid) == live
         assert live[0] in sweep_stale_segments()
         assert _segments_of(peer.pid) == []
+
+
+@pytest.mark.timeout(30)
+def test_shm_allocation_that_cannot_fit_fails_cleanly() -> None:
+    import os
+
+    with ShmHarness() as h:
+        a = h.make_agent("decode-0")
+        before = _segments_of(os.getpid())
+        with pytest.raises(BackendUnavailable, match="cannot reserve 70368744177664 bytes"):
+            a.allocate((1 << 46,), torch.uint8, "cpu")  # 64 TiB: more than any /dev/shm holds
+        assert _segments_of(os.getpid()) == before  # nothing left behind
