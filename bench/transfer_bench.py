@@ -419,7 +419,12 @@ def main(argv: list[str] | None = None) -> None:
         "total_bytes_per_point": total,
         "reps": reps,
         "statistic": "median seconds per run, after one warm-up run",
-        "host": {"cpus": _cpus(), "python": platform.python_version(), "torch": torch.__version__},
+        "host": {
+            "cpus": _cpus(),
+            "cpu_model": _cpu_model(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+        },
         "contiguous": refs,
         "rows": rows,
         "goal": "at 64 KiB and above: tcp >= 0.8 x raw socket, shm >= 0.8 x numpy copy",
@@ -435,6 +440,14 @@ def main(argv: list[str] | None = None) -> None:
     (args.out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
     plot(rows, refs, args.out / f"{name}.png")
     print(f"wrote {args.out / name}.json and .png; goal met: {result['goal_met']}", flush=True)
+
+
+def _cpu_model() -> str:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor()
+    return next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), "")
 
 
 def _cpus() -> int:
