@@ -37,6 +37,12 @@ class AttnMetadata:
         return len(set(self.seq_lens)) == 1
 
 
+def decode_mask(context_lens: torch.Tensor, num_slots: int) -> torch.Tensor:
+    """[B, 1, 1, num_slots] bool: slot j of sequence b takes part iff j < context_lens[b]."""
+    span = torch.arange(num_slots, device=context_lens.device)
+    return (span[None, :] < context_lens[:, None])[:, None, None, :]
+
+
 def write_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMetadata
 ) -> None:

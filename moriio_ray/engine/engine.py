@@ -23,6 +23,7 @@ import torch
 
 from moriio_ray.config import EngineConfig, ModelConfig
 from moriio_ray.engine.block_allocator import BlockAllocator
+from moriio_ray.engine.cuda_graph import DecodeGraphs
 from moriio_ray.engine.device import resolve_device, resolve_dtype
 from moriio_ray.engine.kv_cache import KVCache
 from moriio_ray.engine.loader import load_model, model_args, resolve_max_model_len
@@ -57,6 +58,7 @@ class Engine:
         agent: TransferAgent | None = None,
         lease_grace_s: float = 5.0,
         lease_s: float = 30.0,
+        cuda_graphs: bool = True,
     ) -> None:
         if role not in ROLES:
             raise ConfigError(f"role: {role!r} is not one of {', '.join(ROLES)}")
@@ -69,16 +71,29 @@ class Engine:
         self.max_model_len = resolve_max_model_len(self.args, model.max_model_len)
         self.model = load_model(model, self.device, self.dtype, self.max_model_len)
         self.tokenizer = load_tokenizer(model)
-        self.cache = KVCache(self.args, engine, self.dtype, self.device, agent)
+        # on CUDA, decode steps replay CUDA graphs; their padding rows write into one scratch block
+        use_graphs = cuda_graphs and self.device.type == "cuda"
+        self.cache = KVCache(self.args, engine, self.dtype, self.device, agent, extra_blocks=int(use_graphs))
         self.kv_cache: torch.Tensor = self.cache.tensor
         self.kv_mem = self.cache.mem
         self.layout = self.cache.layout
         self.block_size = engine.block_size
-        self.allocator = BlockAllocator(self.layout.num_blocks)
+        self.allocator = BlockAllocator(self.layout.num_blocks - int(use_graphs))
         self.scheduler = Scheduler(
             self.allocator, engine.block_size, engine.max_num_seqs, engine.max_num_batched_tokens
         )
-        self.runner = ModelRunner(self.model, self.cache, self.device)
+        graphs = None
+        if use_graphs:
+            graphs = DecodeGraphs(
+                self.model,
+                self.cache.layers,
+                engine.block_size,
+                self.allocator.num_blocks,
+                engine.max_num_seqs,
+                self.max_model_len,
+                self.device,
+            )
+        self.runner = ModelRunner(self.model, self.cache, self.device, graphs)
         self._seqs: dict[str, Sequence] = {}
         self._pending: list[StepOutput] = []  # outputs produced outside step(), returned by the next one
         self._layer_hook: LayerHook | None = None

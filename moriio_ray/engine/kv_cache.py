@@ -57,7 +57,8 @@ class KVCache:
     """The cache tensor, its layout, its registration, and (k, v) views per layer.
 
     Each view has shape [num_blocks, block_size, kv_heads, head_dim]; in the block-major layout the
-    views are strided (a block's layers sit next to each other).
+    views are strided (a block's layers sit next to each other). ``extra_blocks`` are added beyond
+    the configured count (the engine keeps one as scratch for padded CUDA-graph rows).
     """
 
     def __init__(
@@ -67,8 +68,10 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device,
         agent: TransferAgent | None = None,
+        extra_blocks: int = 0,
     ) -> None:
-        self.layout = _layout(args, config, dtype, resolve_num_blocks(args, config, dtype, device))
+        num_blocks = resolve_num_blocks(args, config, dtype, device) + extra_blocks
+        self.layout = _layout(args, config, dtype, num_blocks)
         self._agent = agent
         if agent is None:
             self.tensor = torch.zeros(self.layout.shape, dtype=dtype, device=device)

@@ -3,12 +3,14 @@ tables), runs the forward pass over the paged cache and returns one row of logit
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import numpy as np
 import torch
 
-from moriio_ray.engine.attention import AttnMetadata
+from moriio_ray.engine.attention import AttnMetadata, decode_mask
+from moriio_ray.engine.cuda_graph import DecodeGraphs
 from moriio_ray.engine.kv_cache import KVCache
 from moriio_ray.engine.model import CausalLM
 from moriio_ray.engine.scheduler import Batch
@@ -18,14 +20,42 @@ from moriio_ray.engine.sequence import Sequence
 MAX_PREFILL_MASK_ELEMS = 1 << 24
 
 
+@dataclasses.dataclass
+class DecodeInputs:
+    """Host-side inputs of a decode step, one row per sequence (int64 numpy arrays)."""
+
+    ids: np.ndarray  # [B] the token fed (each sequence's last)
+    positions: np.ndarray  # [B] its position (== the number of tokens already cached)
+    block_tables: np.ndarray  # [B, width] block ids, padded with ``pad_block``
+    slot_blocks: np.ndarray  # [B] the block its K/V go to
+    slot_offsets: np.ndarray  # [B] the offset inside that block
+
+
+def decode_inputs(
+    seqs: list[Sequence], block_size: int, width: int | None = None, pad_block: int = 0
+) -> DecodeInputs:
+    """Decode inputs for ``seqs``; ``width`` block-table columns (default: the longest table)."""
+    ids = np.asarray([seq.output_ids[-1] if seq.output_ids else seq.prompt_ids[-1] for seq in seqs])
+    positions = np.asarray([seq.num_cached for seq in seqs], dtype=np.int64)
+    width = width if width is not None else max(len(seq.block_table) for seq in seqs)
+    tables = np.full((len(seqs), width), pad_block, dtype=np.int64)  # padding is masked out
+    for i, seq in enumerate(seqs):
+        tables[i, : len(seq.block_table)] = seq.block_table
+    blocks = tables[np.arange(len(seqs)), positions // block_size]
+    return DecodeInputs(ids.astype(np.int64), positions, tables, blocks, positions % block_size)
+
+
 class ModelRunner:
     """Runs the model for one step; owns no scheduling state."""
 
-    def __init__(self, model: CausalLM, kv_cache: KVCache, device: torch.device) -> None:
+    def __init__(
+        self, model: CausalLM, kv_cache: KVCache, device: torch.device, graphs: DecodeGraphs | None = None
+    ) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
         self.block_size = kv_cache.layout.block_size
+        self.graphs = graphs
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device, non_blocking=True)
@@ -58,27 +88,24 @@ class ModelRunner:
 
     def prepare_decode(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, AttnMetadata]:
         """Inputs for one token per sequence: the last token, at position ``num_cached``."""
-        ids = np.asarray([seq.output_ids[-1] if seq.output_ids else seq.prompt_ids[-1] for seq in seqs])
-        pos = np.asarray([seq.num_cached for seq in seqs], dtype=np.int64)
-        max_blocks = max(len(seq.block_table) for seq in seqs)
-        tables = np.zeros((len(seqs), max_blocks), dtype=np.int64)  # padding points at block 0, masked
-        for i, seq in enumerate(seqs):
-            tables[i, : len(seq.block_table)] = seq.block_table
-        blocks = tables[np.arange(len(seqs)), pos // self.block_size]
-        context = self._tensor(pos + 1)
-        span = torch.arange(max_blocks * self.block_size, device=self.device)
+        host = decode_inputs(seqs, self.block_size)
+        positions = self._tensor(host.positions)
         meta = AttnMetadata(
             is_prefill=False,
-            slot_blocks=self._tensor(blocks),
-            slot_offsets=self._tensor(pos % self.block_size),
-            block_tables=self._tensor(tables),
-            decode_mask=(span[None, :] < context[:, None])[:, None, None, :],  # [B, 1, 1, S]
+            slot_blocks=self._tensor(host.slot_blocks),
+            slot_offsets=self._tensor(host.slot_offsets),
+            block_tables=self._tensor(host.block_tables),
+            decode_mask=decode_mask(positions + 1, host.block_tables.shape[1] * self.block_size),
         )
-        return self._tensor(ids.astype(np.int64)), self._tensor(pos), meta
+        return self._tensor(host.ids), positions, meta
 
     @torch.inference_mode()
     def run(self, batch: Batch, layer_hook: Callable[[int], None] | None = None) -> torch.Tensor:
         """Logits [B, vocab] (float32) for the next token of each sequence in the batch."""
+        if not batch.is_prefill and self.graphs is not None:
+            logits = self.graphs.run(batch.seqs)
+            if logits is not None:
+                return logits
         if batch.is_prefill:
             ids, positions, meta = self.prepare_prefill(batch.seqs)
         else:

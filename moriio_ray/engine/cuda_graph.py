@@ -1,0 +1,131 @@
+"""CUDA graphs of the decode forward pass, keyed by (batch bucket, context bucket).
+
+A decode step launches a few hundred small kernels; replaying one captured graph removes their
+launch cost. Inputs live in static device buffers that every graph reads through views; a batch is
+padded up to its bucket with rows that read and write only a reserved scratch block, and the
+gathered context is padded up to a power of two (masked). Graphs are captured on first use and
+share one memory pool, which is safe because each replay's logits are consumed before the next.
+A step whose gathered K/V would exceed ``max_gather_bytes`` runs eagerly instead.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from moriio_ray.engine.attention import AttnMetadata, decode_mask
+from moriio_ray.engine.model import CausalLM, KVPair
+from moriio_ray.engine.sequence import Sequence
+
+MIN_CONTEXT_SLOTS = 256
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    """1, 2, 4, 8, then multiples of 16 up to ``max_batch`` (which is always included)."""
+    sizes = [b for b in (1, 2, 4, 8) if b < max_batch] + list(range(16, max_batch, 16))
+    return [*sizes, max_batch]
+
+
+class DecodeGraphs:
+    """Captures and replays decode graphs for one model and KV cache on one CUDA device."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        kv_layers: list[KVPair],
+        block_size: int,
+        scratch_block: int,
+        max_batch: int,
+        max_model_len: int,
+        device: torch.device,
+        max_gather_bytes: int = 2 << 30,
+    ) -> None:
+        self.model, self.kv_layers, self.block_size = model, kv_layers, block_size
+        self.scratch_block = scratch_block
+        self.buckets = batch_buckets(max_batch)
+        self.max_width = -(-max_model_len // block_size)  # block-table columns of the longest sequence
+        args = model.args
+        dtype_bytes = model.model.embed_tokens.weight.element_size()
+        self.slot_bytes = 2 * args.num_kv_heads * args.head_dim * dtype_bytes  # K + V of one token
+        self.max_gather_bytes = max_gather_bytes
+        self.device = device
+        max_b = self.buckets[-1]
+
+        def buffer(*shape: int, fill: int = 0) -> torch.Tensor:
+            return torch.full(shape, fill, dtype=torch.int64, device=device)
+
+        self.ids, self.positions = buffer(max_b), buffer(max_b)
+        self.slot_blocks, self.slot_offsets = buffer(max_b, fill=scratch_block), buffer(max_b)
+        self.tables = buffer(max_b, self.max_width, fill=scratch_block)
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool: Any = None  # the graphs' shared memory pool, after the first capture
+
+    def _key(self, seqs: list[Sequence]) -> tuple[int, int] | None:
+        batch = len(seqs)
+        bucket = next((b for b in self.buckets if b >= batch), None)
+        if bucket is None:
+            return None
+        context = max(seq.num_cached for seq in seqs) + 1
+        slots = max(MIN_CONTEXT_SLOTS, 1 << (context - 1).bit_length())
+        width = min(-(-slots // self.block_size), self.max_width)
+        if width < max(len(seq.block_table) for seq in seqs):
+            return None
+        if bucket * width * self.block_size * self.slot_bytes > self.max_gather_bytes:
+            return None
+        return bucket, width
+
+    def _forward(self, bucket: int, width: int) -> torch.Tensor:
+        positions = self.positions[:bucket]
+        meta = AttnMetadata(
+            is_prefill=False,
+            slot_blocks=self.slot_blocks[:bucket],
+            slot_offsets=self.slot_offsets[:bucket],
+            block_tables=self.tables[:bucket, :width],
+            decode_mask=decode_mask(positions + 1, width * self.block_size),
+        )
+        hidden = self.model(self.ids[:bucket], positions, self.kv_layers, meta)
+        return self.model.compute_logits(hidden)
+
+    def _capture(self, bucket: int, width: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            self._forward(bucket, width)  # warm-up: lazy initialisation must not happen inside capture
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = self._forward(bucket, width)
+        self.pool = graph.pool()
+        return graph, logits
+
+    def _load(self, seqs: list[Sequence], bucket: int, width: int) -> None:
+        """Write the batch into the static buffers; padding rows feed token 0 into the scratch block."""
+        from moriio_ray.engine.runner import decode_inputs
+
+        host = decode_inputs(seqs, self.block_size, width, pad_block=self.scratch_block)
+        pad = bucket - len(seqs)
+        rows = {
+            "ids": np.pad(host.ids, (0, pad)),
+            "positions": np.pad(host.positions, (0, pad)),
+            "slot_blocks": np.pad(host.slot_blocks, (0, pad), constant_values=self.scratch_block),
+            "slot_offsets": np.pad(host.slot_offsets, (0, pad)),
+        }
+        for name, values in rows.items():
+            getattr(self, name)[:bucket].copy_(torch.from_numpy(values), non_blocking=True)
+        tables = np.pad(host.block_tables, ((0, pad), (0, 0)), constant_values=self.scratch_block)
+        self.tables[:bucket, :width].copy_(torch.from_numpy(tables), non_blocking=True)
+
+    def run(self, seqs: list[Sequence]) -> torch.Tensor | None:
+        """Logits [len(seqs), vocab] from a graph replay, or None when this batch must run eagerly."""
+        key = self._key(seqs)
+        if key is None:
+            return None
+        self._load(seqs, *key)
+        entry = self.graphs.get(key)
+        if entry is None:
+            entry = self.graphs[key] = self._capture(*key)
+        graph, logits = entry
+        graph.replay()
+        return logits[: len(seqs)]
