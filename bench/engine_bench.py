@@ -218,6 +218,7 @@ def main() -> None:
     parser.add_argument("--layout", default="layer_major", choices=["layer_major", "block_major"])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    parser.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly on CUDA")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     a = parser.parse_args()
     batches = [int(b) for b in a.batch_sizes.split(",")]
@@ -241,6 +242,7 @@ def main() -> None:
                 max_num_batched_tokens=max_batch * a.prompt_len,
             ),
             role="colocated",
+            cuda_graphs=not a.no_cuda_graphs,
         ),
     )
     print(f"  built in {build_s:.1f} s", flush=True)
@@ -292,7 +294,7 @@ def main() -> None:
     }
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"engine_{a.preset}_{a.device}_{a.dtype}"
+    stem = out / f"engine_{a.preset}_{a.device}_{a.dtype}{'_eager' if a.no_cuda_graphs else ''}"
     stem.with_suffix(".json").write_text(json.dumps(report, indent=2))
     title = (
         f"{a.preset} {a.dtype} on {device_name or a.device}: prompt {a.prompt_len}, "
