@@ -32,6 +32,7 @@ _INLINE_BYTES = 1 << 20  # smaller transfers copy in the caller's thread: a hand
 _CHUNK_BYTES = 16 << 20  # the owner's liveness is checked (and test holds apply) between chunks
 _CHUNK_SEGMENTS = 4096
 _NUM_WORKERS = 2
+_SLOW_COPY_BYTES_PER_S = 1e9  # a pessimistic copy rate, to decide whether a waiter may copy itself
 _HOLD_MAX_S = 60.0
 
 
@@ -160,7 +161,7 @@ class ShmAgent(TransferAgent):
         src_offsets, dst_offsets = (
             (remote_offsets, local_offsets) if op == "read" else (local_offsets, remote_offsets)
         )
-        transfer = FutureTransfer(int(sizes.sum()), int(sizes.size), peer.key)
+        transfer = _ShmTransfer(int(sizes.sum()), int(sizes.size), peer.key)
         job = _Copy(self, state, seg, remote_mem.epoch, transfer, src, dst, src_offsets, dst_offsets, sizes)
         if transfer.num_bytes < _INLINE_BYTES:
             job.run(hold=False)
@@ -169,7 +170,8 @@ class ShmAgent(TransferAgent):
             if state.error is not None:
                 raise state.error
             state.inflight.add(transfer)
-        self._pool().submit(job.run)
+        transfer.job = job
+        self._pool().submit(job.run_if_unclaimed)
         return transfer
 
     def _pool(self) -> Workers:
@@ -215,6 +217,23 @@ def _remote_view(
     return seg.data[offset : offset + num_bytes].data
 
 
+class _ShmTransfer(FutureTransfer):
+    """A copy that a worker runs, or the caller itself when it waits before any worker started it.
+
+    Issue-then-wait, the common pattern, then costs no thread handoff. The caller takes the copy
+    only when ``timeout_s`` leaves room for it at a pessimistic 1 GB/s, so that ``wait`` keeps its
+    timeout.
+    """
+
+    job: _Copy | None = None
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        job = self.job
+        if job is not None and (timeout_s is None or self.num_bytes / _SLOW_COPY_BYTES_PER_S <= timeout_s):
+            job.run_if_unclaimed()
+        super().wait(timeout_s)
+
+
 class _Copy:
     """One batched copy, in chunks, with the owner's liveness checked around each chunk."""
 
@@ -234,6 +253,13 @@ class _Copy:
         self.agent, self.peer, self.seg, self.epoch, self.transfer = agent, peer, seg, epoch, transfer
         self.src, self.dst = src, dst
         self.src_offsets, self.dst_offsets, self.sizes = src_offsets, dst_offsets, sizes
+
+        self._claimed = threading.Lock()
+
+    def run_if_unclaimed(self) -> None:
+        """Run the copy unless another thread (a worker or the waiting caller) already took it."""
+        if self._claimed.acquire(blocking=False):
+            self.run()
 
     def run(self, hold: bool = True) -> None:
         try:
