@@ -30,9 +30,9 @@ import msgspec
 import numpy as np
 import torch
 
-from moriio_ray.errors import BackendUnavailable, ConfigError, PeerLost, SegmentOutOfBounds
+from moriio_ray.errors import BackendUnavailable, ConfigError, PeerLost
 from moriio_ray.transfer import cuda_memory
-from moriio_ray.transfer.base import EngineDesc, MemoryDesc, Transfer, TransferAgent
+from moriio_ray.transfer.base import EngineDesc, MemoryDesc, Transfer, TransferAgent, check_bounds
 from moriio_ray.transfer.cuda_devices import device_uuids, enable_peer_access, index_of_uuid
 from moriio_ray.transfer.cuda_kernels import SegmentCopier, cupy_module
 from moriio_ray.transfer.cuda_transfer import CudaTransfer, pid_alive
@@ -82,8 +82,8 @@ class CudaIpcAgent(TransferAgent):
         self._peer_info: dict[str, CudaEngineInfo] = {}
         # peer key -> {(handle, local device): (base, size)} of opened IPC mappings
         self._imports: dict[str, dict[tuple[bytes, int], tuple[int, int]]] = {}
-        # (peer, epoch, mem_id, num_bytes, device) -> address
-        self._ptrs: dict[tuple[str, int, int, int, int], int] = {}
+        # (peer, epoch, mem_id, device) -> (address, registered bytes really mapped there)
+        self._ptrs: dict[tuple[str, int, int, int], tuple[int, int]] = {}
         self._inflight: dict[str, list[CudaTransfer]] = {}
         self._tls = threading.local()
         # Benchmarks: give each Transfer a start event after its waits, so device time excludes them.
@@ -156,12 +156,12 @@ class CudaIpcAgent(TransferAgent):
             return True
         return pid_alive(info.pid, zombie_is_dead=thorough)
 
-    def _remote_ptr(self, peer: EngineDesc, remote_mem: MemoryDesc, device_index: int) -> int:
-        """The address, usable by kernels on ``device_index``, of the remote region's first byte."""
-        cache_key = (peer.key, peer.epoch, remote_mem.mem_id, remote_mem.num_bytes, device_index)
-        ptr = self._ptrs.get(cache_key)
-        if ptr is not None:
-            return ptr
+    def _remote_region(self, peer: EngineDesc, remote_mem: MemoryDesc, device_index: int) -> tuple[int, int]:
+        """(address usable by kernels on ``device_index``, bytes really there) of a remote region."""
+        cache_key = (peer.key, peer.epoch, remote_mem.mem_id, device_index)
+        known = self._ptrs.get(cache_key)
+        if known is not None:
+            return known
         region = msgspec.msgpack.decode(remote_mem.backend_data, type=cuda_memory.CudaRegion)
         remote_index = index_of_uuid(region.device_uuid)
         if self._same_process(peer.key):
@@ -177,16 +177,9 @@ class CudaIpcAgent(TransferAgent):
                 )
             base, size = mapping
             offset = region.offset
-        # The descriptor's size was checked against the offsets; check it against the real memory.
-        if offset + remote_mem.num_bytes > size:
-            raise SegmentOutOfBounds(
-                f"region {remote_mem.mem_id} of {peer.key!r} claims {remote_mem.num_bytes} bytes at "
-                f"offset {offset}, but the mapped allocation holds {size}; its descriptor is "
-                "corrupt or stale: reconnect to the peer"
-            )
-        ptr = base + offset
-        self._ptrs[cache_key] = ptr
-        return ptr
+        real_bytes = min(region.num_bytes, size - offset)
+        self._ptrs[cache_key] = (base + offset, real_bytes)
+        return base + offset, real_bytes
 
     # -- transfers ------------------------------------------------------------------------------
 
@@ -239,7 +232,18 @@ class CudaIpcAgent(TransferAgent):
         assert device.index is not None
         if not self._peer_alive(peer.key, thorough=False):
             raise PeerLost(f"peer {peer.key!r} (pid {self._peer_info[peer.key].pid}) has exited")
-        remote_ptr = self._remote_ptr(peer, remote_mem, device.index)
+        remote_ptr, real_bytes = self._remote_region(peer, remote_mem, device.index)
+        if remote_mem.num_bytes > real_bytes:
+            # The base class checked against the descriptor's size, which claims more than the peer
+            # registered (a forged or corrupt descriptor): check against the memory really there.
+            check_bounds(
+                remote_offsets,
+                sizes,
+                real_bytes,
+                "remote",
+                f"region {remote_mem.mem_id} of {peer.key!r} as registered (its descriptor claims "
+                f"{remote_mem.num_bytes})",
+            )
         if op == "read":
             src, dst, src_off, dst_off = remote_ptr, local.data_ptr(), remote_offsets, local_offsets
         else:

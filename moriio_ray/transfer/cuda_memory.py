@@ -27,6 +27,7 @@ class CudaRegion(msgspec.Struct, frozen=True):
     offset: int  # the region's first byte inside that allocation
     ptr: int  # the region's address in the exporting process (used by same-process peers)
     device_uuid: str
+    num_bytes: int = 0  # the registered size (a descriptor's num_bytes could be forged or stale)
 
 
 @functools.lru_cache(maxsize=1)
@@ -86,7 +87,8 @@ def export_region(tensor: torch.Tensor, device_uuid: str) -> CudaRegion:
                 f"tensor: its memory cannot be exported through CUDA IPC ({exc}); allocate it with "
                 "agent.allocate (expandable segments and managed memory cannot be exported)"
             ) from exc
-    return CudaRegion(handle=handle, offset=ptr - base, ptr=ptr, device_uuid=device_uuid)
+    num_bytes = tensor.numel() * tensor.element_size()
+    return CudaRegion(handle=handle, offset=ptr - base, ptr=ptr, device_uuid=device_uuid, num_bytes=num_bytes)
 
 
 def open_handle(handle: bytes, device_index: int) -> tuple[int, int]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -24,7 +25,7 @@ PAIRS = [
 
 class Side:
     def __init__(self, key: str, device: int, seed: int, config: TransferConfig) -> None:
-        self.agent = create_agent(config, key)
+        self.agent: Any = create_agent(config, key)  # a CudaIpcAgent: read/write take after=
         self.device = torch.device("cuda", device)
         self.host = pattern(REGION_BYTES, seed)
         self.region = self.agent.allocate((REGION_BYTES,), torch.uint8, self.device)
@@ -119,8 +120,10 @@ def test_out_of_bounds_is_refused_before_launch(pair: tuple[Side, Side]) -> None
     import msgspec
 
     lying = msgspec.structs.replace(b.mem, num_bytes=REGION_BYTES * 1024)
-    with pytest.raises(SegmentOutOfBounds, match="mapped allocation"):
-        a.agent.read(a.mem, lying, [0], [REGION_BYTES * 512], [16])
+    with pytest.raises(SegmentOutOfBounds, match=r"segment 1: remote offset .* as registered"):
+        a.agent.read(a.mem, lying, [0, 64], [0, REGION_BYTES * 512], [16, 16])
+    a.agent.read(a.mem, lying, [0], [REGION_BYTES - 16], [16]).wait(timeout_s=30)  # inside: allowed
+    a.region[:16].copy_(torch.from_numpy(a.host[:16]))
     assert np.array_equal(a.bytes(), a.host), "a refused transfer changed memory"
 
 

@@ -6,6 +6,7 @@ The peer is a child process (``cuda_ipc_peer.serve``) with its own agent and reg
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -26,7 +27,7 @@ HARNESSES = [
 class Local:
     def __init__(self, device: int) -> None:
         torch.cuda.set_device(device)
-        self.agent = create_agent(TransferConfig(backend="cuda_ipc"), "local")
+        self.agent: Any = create_agent(TransferConfig(backend="cuda_ipc"), "local")  # takes after=
         self.device = torch.device("cuda", device)
         self.host = pattern(REGION_BYTES, 11)
         self.region = self.agent.allocate((REGION_BYTES,), torch.uint8, self.device)
