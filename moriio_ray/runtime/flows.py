@@ -12,17 +12,17 @@ releases P's blocks at once.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import ray
 
 from moriio_ray.config import PipelineConfig
-from moriio_ray.errors import DeadlineExceeded, PeerLost
+from moriio_ray.errors import PeerLost
+from moriio_ray.runtime.deadline import deadline
 from moriio_ray.runtime.messages import GenRequest, KVHandle, Member, PushResult, TokenChunk
 from moriio_ray.runtime.router import Router
 
@@ -39,13 +39,7 @@ class FlowState:
     prefill_key: str | None = None
     decode_key: str | None = None
     retries: int = 0
-
-
-async def deadline(aw: Awaitable[T], timeout_s: float, what: str) -> T:
-    try:
-        return await asyncio.wait_for(aw, timeout_s)
-    except asyncio.TimeoutError:
-        raise DeadlineExceeded(f"{what} did not answer within {timeout_s} s") from None
+    dead: set[str] = field(default_factory=set)  # workers seen dead: no retry goes to them
 
 
 class Flows:
@@ -98,12 +92,12 @@ class Flows:
     # -- colocated ------------------------------------------------------------------------------
 
     async def _colocated(self, req: GenRequest, state: FlowState) -> AsyncIterator[TokenChunk]:
-        worker = self.router.pick("colocated")
+        worker = self.router.pick("colocated", exclude=state.dead)
         cost = len(req.prompt_token_ids) + req.params.max_tokens
         self.router.acquire(worker, cost)
         state.decode_key = worker.key
         try:
-            async for chunk in self._stream(worker, worker.actor.generate.remote(req)):
+            async for chunk in self._stream(worker, worker.actor.generate.remote(req), state):
                 yield chunk
         finally:
             self.router.release(worker, cost)
@@ -123,12 +117,12 @@ class Flows:
             state.timings["prefill_s"] = handle.prefill_s
             if handle.finished:
                 return
-            d = self.router.pick_decode_for(p)
+            d = self.router.pick_decode_for(p, exclude=state.dead)
             state.decode_key = d.key
             cost = req.params.max_tokens
             self.router.acquire(d, cost)
             try:
-                async for chunk in self._stream(d, d.actor.decode.remote(req, handle)):
+                async for chunk in self._stream(d, d.actor.decode.remote(req, handle), state):
                     released = True  # D released the lease once it had read
                     _handoff(state, chunk, handle.prefill_done_unix)
                     yield chunk
@@ -139,7 +133,7 @@ class Flows:
                 p.actor.release.remote(handle.transfer_id)
 
     async def _prefill(self, req: GenRequest, state: FlowState) -> tuple[KVHandle, Member]:
-        tried: list[str] = []
+        tried = state.dead
         for attempt in range(self.config.runtime.prefill_retries + 1):
             p = self.router.pick("prefill", exclude=tried)
             state.prefill_key = p.key
@@ -151,7 +145,7 @@ class Flows:
                 return handle, p
             except ray.exceptions.RayActorError:
                 self._dead(p)
-                tried.append(p.key)
+                tried.add(p.key)
                 if attempt >= self.config.runtime.prefill_retries:
                     raise
                 self.counters["prefill_retries"] += 1
@@ -166,7 +160,7 @@ class Flows:
     # -- WRITE ----------------------------------------------------------------------------------
 
     async def _write(self, req: GenRequest, state: FlowState) -> AsyncIterator[TokenChunk]:
-        d = self.router.pick("decode")
+        d = self.router.pick("decode", exclude=state.dead)
         state.decode_key = d.key
         cost = req.params.max_tokens + len(req.prompt_token_ids)
         self.router.acquire(d, cost)
@@ -185,7 +179,7 @@ class Flows:
             if push.finished:
                 return
             reserved = False  # D.decode takes the reservation over
-            async for chunk in self._stream(d, d.actor.decode.remote(req, push)):
+            async for chunk in self._stream(d, d.actor.decode.remote(req, push), state):
                 _handoff(state, chunk, push.prefill_done_unix)
                 yield chunk
         finally:
@@ -196,7 +190,7 @@ class Flows:
     async def _push(
         self, req: GenRequest, d: Member, res: Any, state: FlowState
     ) -> tuple[PushResult, Member]:
-        tried: list[str] = []
+        tried = state.dead
         for attempt in range(self.config.runtime.prefill_retries + 1):
             p = self.router.pick_prefill_for(d, exclude=tried)
             state.prefill_key = p.key
@@ -206,7 +200,7 @@ class Flows:
                 return push, p
             except ray.exceptions.RayActorError:
                 self._dead(p)
-                tried.append(p.key)
+                tried.add(p.key)
                 if attempt >= self.config.runtime.prefill_retries:
                     raise
                 self.counters["prefill_retries"] += 1
@@ -218,7 +212,7 @@ class Flows:
 
     # -- streaming ------------------------------------------------------------------------------
 
-    async def _stream(self, worker: Member, gen: Any) -> AsyncIterator[TokenChunk]:
+    async def _stream(self, worker: Member, gen: Any, state: FlowState) -> AsyncIterator[TokenChunk]:
         """Iterate a worker's streaming generator with a deadline per chunk; cancel it if we stop early."""
         finished = False
         try:
@@ -234,6 +228,7 @@ class Flows:
                     return
         except ray.exceptions.RayActorError:
             self._dead(worker)
+            state.dead.add(worker.key)
             raise
         finally:
             if not finished:

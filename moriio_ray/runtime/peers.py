@@ -7,7 +7,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from moriio_ray.errors import DeadlineExceeded, PeerLost, StaleDescriptor
+from moriio_ray.errors import PeerLost, StaleDescriptor
+from moriio_ray.runtime.deadline import deadline
 from moriio_ray.runtime.messages import Member, WorkerInfo
 from moriio_ray.transfer.base import TransferAgent
 
@@ -69,18 +70,13 @@ class PeerDirectory:
             raise PeerLost(f"peer {key!r} epoch {epoch} was replaced by epoch {peer.epoch}")
 
     async def _resolve(self, key: str, epoch: int) -> Peer:
-        try:
-            member: Member | None = await asyncio.wait_for(
-                self.coordinator.lookup.remote(key), self.timeout_s
-            )
-            if member is None or member.epoch != epoch:
-                now = "gone" if member is None else f"at epoch {member.epoch}"
-                raise PeerLost(f"peer {key!r} epoch {epoch} is no longer registered (now {now})")
-            info: WorkerInfo = await asyncio.wait_for(member.info_ref, self.timeout_s)
-        except asyncio.TimeoutError:
-            raise DeadlineExceeded(
-                f"the coordinator did not answer a lookup of {key!r} within {self.timeout_s} s"
-            ) from None
+        member: Member | None = await deadline(
+            self.coordinator.lookup.remote(key), self.timeout_s, f"the coordinator's lookup of {key!r}"
+        )
+        if member is None or member.epoch != epoch:
+            now = "gone" if member is None else f"at epoch {member.epoch}"
+            raise PeerLost(f"peer {key!r} epoch {epoch} is no longer registered (now {now})")
+        info: WorkerInfo = await deadline(member.info_ref, self.timeout_s, f"the descriptors of {key!r}")
         self._check_alive(key, epoch, self._peers.get(key))
         try:
             await asyncio.to_thread(self.agent.connect, info.engine_desc)

@@ -16,7 +16,7 @@ from tests.integration.helpers import assert_no_leaks, tiny_config, varied_promp
 
 pytestmark = pytest.mark.usefixtures("ray_cpu")
 
-LONG = SamplingParams(max_tokens=400, ignore_eos=True)
+LONG = SamplingParams(max_tokens=120, ignore_eos=True)
 
 
 def _member(pipe: PDPipeline, key: str) -> Any:
@@ -32,11 +32,11 @@ async def _consume(pipe: PDPipeline, ids: list[int], params: SamplingParams, see
     """Stream one request; record which decode worker serves it and how many tokens came."""
     tokens: list[int] = []
     rid = f"r{len(seen)}-{random.getrandbits(32)}"
-    seen[rid] = {"tokens": tokens, "decode": None, "error": None, "ended": None}
+    seen[rid] = {"tokens": tokens, "decode": set(), "error": None, "ended": None}
     try:
         async for ev in pipe.stream(token_ids=ids, params=params, request_id=rid):
             tokens.extend(ev.token_ids)
-            seen[rid]["decode"] = ev.decode_worker
+            seen[rid]["decode"].add(ev.decode_worker)
     except Exception as exc:
         seen[rid]["error"] = exc
     seen[rid]["ended"] = time.monotonic()
@@ -71,17 +71,17 @@ def test_decode_worker_killed_mid_stream(mode: str, on_failure: str) -> None:
     try:
         actor = _member(pipe, victim).actor
         out = pipe._sync(_run_until(pipe, LONG, 8, 5, lambda: ray.kill(actor, no_restart=True)))
-        on_victim = [s for s in out["seen"].values() if s["decode"] == victim]
-        others = [s for s in out["seen"].values() if s["decode"] != victim]
+        on_victim = [s for s in out["seen"].values() if victim in s["decode"]]
+        others = [s for s in out["seen"].values() if victim not in s["decode"]]
         assert on_victim, "no request was served by the killed worker"
         for s in others:
-            assert s["error"] is None and len(s["tokens"]) == 400
+            assert s["error"] is None and len(s["tokens"]) == 120
         for s in on_victim:
             if on_failure == "fail":
                 assert isinstance(s["error"], PeerLost), s["error"]
                 assert s["ended"] - out["killed_at"] < 5.0
             else:
-                assert s["error"] is None and len(s["tokens"]) == 400
+                assert s["error"] is None and len(s["tokens"]) == 120
         # The coordinator replaces the dead worker at a new epoch, and the replacement serves.
         wait_until(lambda: _epoch(pipe, victim) == 2, 30, "a replacement decode worker")
         wait_until(
