@@ -125,30 +125,38 @@ def send_segments(
     sock: socket.socket, base: memoryview, offsets: np.ndarray, sizes: np.ndarray, tick: Tick | None = None
 ) -> None:
     """Send ``base[offsets[i]:+sizes[i]]`` for all i, in order, with gathered sendmsg calls."""
-    moved = 0
-    for start, stop in batches(sizes):
-        bufs = _views(base, offsets, sizes, start, stop)
-        while bufs:
-            sent = sock.sendmsg(bufs)
-            moved += sent
-            bufs = _advance(bufs, sent)
-        if tick is not None:
-            tick(moved)
+    _pump(sock.sendmsg, base, offsets, sizes, tick)
 
 
 def recv_segments(
     sock: socket.socket, base: memoryview, offsets: np.ndarray, sizes: np.ndarray, tick: Tick | None = None
 ) -> None:
     """Receive into ``base[offsets[i]:+sizes[i]]`` for all i, in order, with scattered recvmsg_into."""
+
+    def receive(bufs: list[memoryview]) -> int:
+        got = sock.recvmsg_into(bufs)[0] if len(bufs) > 1 else sock.recv_into(bufs[0])
+        if got == 0:
+            raise ConnectionDropped("the peer closed the connection in the middle of the data")
+        return got
+
+    _pump(receive, base, offsets, sizes, tick)
+
+
+def _pump(
+    io: Callable[[list[memoryview]], int],
+    base: memoryview,
+    offsets: np.ndarray,
+    sizes: np.ndarray,
+    tick: Tick | None,
+) -> None:
+    """Move the segments batch by batch with ``io`` (one sendmsg or recvmsg_into per call)."""
     moved = 0
     for start, stop in batches(sizes):
         bufs = _views(base, offsets, sizes, start, stop)
         while bufs:
-            got = sock.recvmsg_into(bufs)[0] if len(bufs) > 1 else sock.recv_into(bufs[0])
-            if got == 0:
-                raise ConnectionDropped("the peer closed the connection in the middle of the data")
-            moved += got
-            bufs = _advance(bufs, got)
+            n = io(bufs)
+            moved += n
+            bufs = _advance(bufs, n)
         if tick is not None:
             tick(moved)
 

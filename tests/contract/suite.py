@@ -16,7 +16,7 @@ import torch
 
 from moriio_ray.errors import PeerLost, SegmentOutOfBounds, StaleDescriptor, TokenRejected, TransferTimeout
 from moriio_ray.transfer import MemoryDesc, Transfer, TransferAgent
-from tests.contract.harness import Harness, pattern
+from tests.contract.harness import Harness, Hold, PeerProcess, pattern
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -47,6 +47,26 @@ def big_batch() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     n = BIG // (64 * KiB)
     lo = np.arange(n, dtype=np.int64) * 64 * KiB
     return lo, lo[::-1].copy(), np.full(n, 64 * KiB, dtype=np.int64)
+
+
+def require_hold(harness: Harness) -> None:
+    if harness.hold_side is None:
+        pytest.skip(f"backend {harness.backend!r} has no hook to park a transfer mid-way")
+
+
+def parked_read(
+    harness: Harness,
+    agent: TransferAgent,
+    peer: TransferAgent | PeerProcess,
+    local: MemoryDesc,
+    remote: MemoryDesc,
+) -> tuple[Transfer, Hold]:
+    """A BIG read, parked by the backend's test hook once 1 MiB has moved."""
+    hold = harness.hold(agent, peer, MiB)
+    x = agent.read(local, remote, *big_batch())
+    assert hold.wait_held(WAIT_S), "the transfer never reached the hold"
+    assert not x.done()
+    return x, hold
 
 
 def finish(call: object) -> Transfer:
@@ -224,12 +244,9 @@ class ContractSuite:
 
     @pytest.mark.timeout(60)
     def test_peer_closed_mid_transfer_gives_peer_lost(self, harness: Harness) -> None:
-        if harness.hold_side is None:
-            pytest.skip(f"backend {harness.backend!r} has no hook to park a transfer mid-way")
+        require_hold(harness)
         a, b, _, ma, _, mb = pair(harness, BIG, timeout_s=TIMEOUT_S)
-        hold = harness.hold(a, b, MiB)
-        x = a.read(ma, mb, *big_batch())
-        assert hold.wait_held(WAIT_S)
+        x, hold = parked_read(harness, a, b, ma, mb)
         b.close()
         hold.release()
         with pytest.raises(PeerLost):
@@ -238,15 +255,12 @@ class ContractSuite:
 
     @pytest.mark.timeout(90)
     def test_peer_process_killed_mid_transfer_gives_peer_lost(self, harness: Harness) -> None:
-        if harness.hold_side is None:
-            pytest.skip(f"backend {harness.backend!r} has no hook to park a transfer mid-way")
+        require_hold(harness)
         a = harness.make_agent("decode-0", timeout_s=TIMEOUT_S)
         _, ma = harness.region(a, BIG)
         peer = harness.spawn_peer("prefill-0", BIG, seed=5, timeout_s=TIMEOUT_S)
         a.connect(peer.desc)
-        hold = harness.hold(a, peer, MiB)
-        x = a.read(ma, peer.mem, *big_batch())
-        assert hold.wait_held(WAIT_S)
+        x, hold = parked_read(harness, a, peer, ma, peer.mem)
         start = time.monotonic()
         peer.kill()
         hold.release()
@@ -257,12 +271,9 @@ class ContractSuite:
 
     @pytest.mark.timeout(60)
     def test_disconnect_fails_in_flight_transfers(self, harness: Harness) -> None:
-        if harness.hold_side is None:
-            pytest.skip(f"backend {harness.backend!r} has no hook to park a transfer mid-way")
+        require_hold(harness)
         a, b, _, ma, _, mb = pair(harness, BIG, timeout_s=TIMEOUT_S)
-        hold = harness.hold(a, b, MiB)
-        x = a.read(ma, mb, *big_batch())
-        assert hold.wait_held(WAIT_S)
+        x, hold = parked_read(harness, a, b, ma, mb)
         start = time.monotonic()
         a.disconnect("prefill-0")
         with pytest.raises(PeerLost, match="disconnected"):
