@@ -194,11 +194,7 @@ class CudaIpcAgent(TransferAgent):
         after: torch.cuda.Event | torch.cuda.Stream | None = None,
     ) -> Transfer:
         """Pull remote segments into local memory on the local GPU; ``after``: start after it."""
-        self._tls.after = after
-        try:
-            return super().read(local_mem, remote_mem, local_offsets, remote_offsets, sizes)
-        finally:
-            self._tls.after = None
+        return self._after(after, super().read, local_mem, remote_mem, local_offsets, remote_offsets, sizes)
 
     def write(
         self,
@@ -211,9 +207,14 @@ class CudaIpcAgent(TransferAgent):
         after: torch.cuda.Event | torch.cuda.Stream | None = None,
     ) -> Transfer:
         """Push local segments into remote memory from the local GPU; ``after``: start after it."""
+        return self._after(after, super().write, local_mem, remote_mem, local_offsets, remote_offsets, sizes)
+
+    def _after(self, after: torch.cuda.Event | torch.cuda.Stream | None, issue: Any, *args: Any) -> Transfer:
+        """Issue through the base class with ``after`` handed (per thread) to ``_transfer``."""
         self._tls.after = after
         try:
-            return super().write(local_mem, remote_mem, local_offsets, remote_offsets, sizes)
+            result: Transfer = issue(*args)
+            return result
         finally:
             self._tls.after = None
 
