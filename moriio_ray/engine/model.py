@@ -41,14 +41,14 @@ class Attention(nn.Module):
         kv: KVPair,
         meta: AttnMetadata,
     ) -> torch.Tensor:
-        num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        num_tokens, heads = x.shape[0], self.num_heads
+        qkv = self.qkv_proj(x)  # [T, (H + 2 * Hkv) * D]
+        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
+        qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, heads + self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+            qk = torch.cat([self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])], dim=1)
+        qk = apply_rotary(qk, *rotary)  # q and k rotated together: half the kernel launches
+        q, k = qk[:, :heads], qk[:, heads:]  # [T, H, D], [T, Hkv, D]
         write_kv(kv[0], kv[1], k, v, meta)
         if meta.is_prefill:
             out = prefill_attention(q, k, v, meta)
