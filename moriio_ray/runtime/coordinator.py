@@ -295,8 +295,13 @@ def _bundle(rc: RoleConfig) -> dict[str, float]:
 
 def get_or_create(config: PipelineConfig, *, detached: bool) -> Any:
     """The coordinator actor of ``config.name``: the running one, or a new one."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
     actor_cls = ray.remote(Coordinator)
+    # On the launching process's node (soft): usually the head, which outlives worker nodes.
+    here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=True)
     return actor_cls.options(
+        scheduling_strategy=here,
         name=coordinator_name(config.name),
         namespace=NAMESPACE,
         get_if_exists=True,

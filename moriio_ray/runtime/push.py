@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import time
-from typing import Any
-
 import numpy as np
 
 from moriio_ray.errors import TransferError
@@ -24,7 +22,13 @@ def layer_stride_bytes(layout: KVLayout) -> int:
 
 
 class LayerPusher:
-    """Runs on the engine thread: ``on_layer`` issues one batched write per computed layer."""
+    """Runs on the engine thread: ``on_layer`` issues one batched write per computed layer.
+
+    Ordering on CUDA: the hook runs right after layer i's K/V writes were queued on the engine's
+    current stream, and backends start a GPU copy after the work already queued on the caller's
+    current stream (``cuda_ipc`` records that point as an event), so the push of layer i waits
+    for exactly layer i's compute, with no device-wide sync, while layer i+1 computes.
+    """
 
     def __init__(
         self,
@@ -73,7 +77,6 @@ class LayerPusher:
                 lo + layer * local_stride,
                 ro + layer * remote_stride,
                 sz,
-                **self._ordering(),
             )
             self.transfers.append(xfer)
             self.num_bytes += xfer.num_bytes
@@ -81,16 +84,6 @@ class LayerPusher:
             self.last_layer_s = time.perf_counter()
         except BaseException as exc:
             self.error = exc
-
-    def _ordering(self) -> dict[str, Any]:
-        """On CUDA, the push must start only after this layer's KV is written: pass an event."""
-        if self.local_mem.device.startswith("cuda") and getattr(self.agent, "supports_after_event", False):
-            import torch
-
-            event = torch.cuda.Event()
-            event.record()
-            return {"after_event": event}
-        return {}
 
     def wait_all(self, timeout_s: float) -> None:
         """Wait for every pushed layer (blocking; call from a thread)."""
