@@ -14,7 +14,7 @@ from typing import Any
 _LATENCY_BOUNDS_S = [
     0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0,
 ]  # fmt: skip
-_SEGMENT_BOUNDS = [1, 4, 16, 64, 256, 1024, 4096, 16384, 65536]
+_SEGMENT_BOUNDS = [1.0, 4.0, 16.0, 64.0, 256.0, 1024.0, 4096.0, 16384.0, 65536.0]
 
 _lock = threading.Lock()
 _metrics: dict[str, Any] | None = None

@@ -122,6 +122,7 @@ class Coordinator:
             from moriio_ray.transfer.cuda_devices import ray_actor_env
 
             options["runtime_env"] = {"env_vars": ray_actor_env()}
+        assert self.pg is not None
         me = ray.get_runtime_context().current_actor
         actor = (
             make_actor_class()

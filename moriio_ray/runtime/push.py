@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+
 import numpy as np
 
 from moriio_ray.errors import TransferError
