@@ -107,6 +107,7 @@ class Coordinator:
         slot.epoch += 1
         key = f"{self.config.name}-{slot.role}-{slot.index}"
         rc: RoleConfig = getattr(self.config.pool, slot.role)
+        assert self.pg is not None
         options: dict[str, Any] = {
             "num_cpus": rc.num_cpus,
             "num_gpus": rc.num_gpus,
@@ -122,7 +123,6 @@ class Coordinator:
             from moriio_ray.transfer.cuda_devices import ray_actor_env
 
             options["runtime_env"] = {"env_vars": ray_actor_env()}
-        assert self.pg is not None
         me = ray.get_runtime_context().current_actor
         actor = (
             make_actor_class()
