@@ -116,7 +116,7 @@ class ServeProcess:
         return int(self.proc.returncode)
 
     def leftover_pids(self) -> list[int]:
-        """Live processes this child started: in its process group, or running from its Ray temp dir."""
+        """Live processes this child started: in its process group, or run with its Ray temp dir."""
         if self.proc is None:
             return []
         found = []
@@ -125,12 +125,14 @@ class ServeProcess:
             if not entry.name.isdigit() or int(entry.name) == os.getpid():
                 continue
             try:
-                cmdline = (entry / "cmdline").read_bytes()
                 pgid = os.getpgid(int(entry.name))
                 state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+                # Ray's workers rename themselves and may leave the group, but inherit RAY_TMPDIR
+                mine = pgid == self.proc.pid or marker in (entry / "cmdline").read_bytes()
+                mine = mine or marker in (entry / "environ").read_bytes()
             except (OSError, IndexError):
                 continue
-            if state != "Z" and (pgid == self.proc.pid or marker in cmdline):
+            if state != "Z" and mine:
                 found.append(int(entry.name))
         return found
 

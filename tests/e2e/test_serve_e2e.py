@@ -20,6 +20,7 @@ import openai
 import pytest
 
 from moriio_ray.serve.process import ServeProcess
+from moriio_ray.transfer.shm_segment import SHM_DIR
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny_1p1d_cpu.yaml"
 MODEL = "tiny"
@@ -276,7 +277,11 @@ def test_metrics_on_rays_prometheus_endpoint(server: ServeProcess, client: opena
 
 @pytest.mark.timeout(120)
 def test_clean_shutdown_on_sigint(server: ServeProcess) -> None:
-    assert server.proc is not None and server.leftover_pids()
+    pids = set(server.leftover_pids())
+    assert server.proc is not None and pids
+    # the shm backend keeps each engine's KV cache in a segment named moriio-<pid>-...
+    segments = [p for p in SHM_DIR.glob("moriio-*") if int(p.name.split("-")[1]) in pids]
+    assert len(segments) == 2, segments
     t0 = time.monotonic()
     rc = server.stop(timeout_s=60)
     stop_s = time.monotonic() - t0
@@ -285,3 +290,4 @@ def test_clean_shutdown_on_sigint(server: ServeProcess) -> None:
     left = server.wait_no_leftovers(timeout_s=30)
     assert left == [], f"processes left after serve run exited: {left}"
     assert server.get("/health")[0] == 0  # nothing listens any more
+    assert not [p for p in segments if p.exists()], "shared-memory segments left behind"
