@@ -254,6 +254,40 @@ def test_disconnect_mid_stream_frees_the_blocks(server: ServeProcess) -> None:
     assert status == 200 and stats["ingress"]["in_flight"] == 0
 
 
+@pytest.mark.timeout(120)
+def test_backpressure_429_beyond_max_ongoing_requests(server: ServeProcess) -> None:
+    limit, extra = 64, 8  # serve.max_ongoing_requests in configs/tiny_1p1d_cpu.yaml
+    body = {"model": MODEL, "prompt": "q" * 20, "max_tokens": 1000, "ignore_eos": True, "stream": True}
+
+    async def run() -> list[int]:
+        statuses: list[int] = []
+        all_answered = asyncio.Event()
+
+        async def one(http: httpx.AsyncClient) -> None:
+            async with http.stream("POST", server.base_url + "/v1/completions", json=body) as r:
+                if r.status_code == 200:
+                    async for line in r.aiter_lines():  # hold the stream open past its first token
+                        if line.startswith("data: {"):
+                            break
+                else:
+                    error = json.loads(await r.aread())["error"]
+                    assert error["type"] == "rate_limit_error" and error["message"]
+                statuses.append(r.status_code)
+                if len(statuses) == limit + extra:
+                    all_answered.set()
+                await all_answered.wait()  # every stream stays open until all have an answer
+
+        limits = httpx.Limits(max_connections=limit + extra)
+        async with httpx.AsyncClient(timeout=60, limits=limits) as http:
+            await asyncio.wait_for(asyncio.gather(*(one(http) for _ in range(limit + extra))), 90)
+        return statuses
+
+    statuses = asyncio.run(run())
+    assert sorted(set(statuses)) == [200, 429]
+    assert statuses.count(200) == limit and statuses.count(429) == extra
+    assert _quiet(_wait_quiet(server, 30.0)), "the held streams' blocks were not freed"
+
+
 @pytest.mark.timeout(90)
 def test_metrics_on_rays_prometheus_endpoint(server: ServeProcess, client: openai.OpenAI) -> None:
     client.completions.create(model=MODEL, prompt="metrics please", max_tokens=4, temperature=0)
