@@ -89,10 +89,8 @@ class StagedRegion:
             moved = 0
             for offs, lens in windows(offsets, sizes, self._window(sizes)):
                 used = self._gather(buf, offs, lens)
-                send_segments(sock, view, np.zeros(1, np.int64), np.asarray([used], np.int64))
+                send_segments(sock, view, *_pieces(used), _shifted(tick, moved))
                 moved += used
-                if tick is not None:
-                    tick(moved)
         finally:
             self._give(buf)
 
@@ -103,11 +101,9 @@ class StagedRegion:
             moved = 0
             for offs, lens in windows(offsets, sizes, self._window(sizes)):
                 used = int(lens.sum())
-                recv_segments(sock, view, np.zeros(1, np.int64), np.asarray([used], np.int64))
+                recv_segments(sock, view, *_pieces(used), _shifted(tick, moved))
                 self._scatter(buf, offs, lens)
                 moved += used
-                if tick is not None:
-                    tick(moved)
         finally:
             self._give(buf)
 
@@ -160,6 +156,19 @@ class StagedRegion:
     def _sync(self) -> None:
         if self.flat.is_cuda:
             torch.cuda.current_stream(self.flat.device).synchronize()
+
+
+def _pieces(num_bytes: int, piece_bytes: int = 1 << 20) -> tuple[np.ndarray, np.ndarray]:
+    """[0, num_bytes) of the staging buffer as 1 MiB segments, so that ticks come during a window."""
+    offsets = np.arange(0, num_bytes, piece_bytes, dtype=np.int64)
+    return offsets, np.minimum(piece_bytes, num_bytes - offsets)
+
+
+def _shifted(tick: Tick | None, done_bytes: int) -> Tick | None:
+    """A tick that counts the bytes of earlier windows too."""
+    if tick is None:
+        return None
+    return lambda moved: tick(done_bytes + moved)
 
 
 Region = HostRegion | StagedRegion

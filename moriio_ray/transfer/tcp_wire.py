@@ -54,7 +54,10 @@ _ERRORS: dict[int, type[TransferError]] = {
 
 MAX_SEGMENTS = 1 << 24  # a request past this is refused (16 Mi segments = 256 MiB of arrays)
 _BATCH_SEGMENTS = 512  # iovecs per sendmsg/recvmsg_into call (below Linux's IOV_MAX of 1024)
-_BATCH_BYTES = 8 << 20  # bytes per call, so that deadlines and hooks are checked now and then
+_BATCH_BYTES = 8 << 20  # bytes between ticks, so that deadlines and hooks are checked now and then
+# Bytes per sendmsg call. Small calls keep each chunk in cache between the sender's copy into the
+# kernel and the receiver's copy out (on loopback, 256 KiB calls ran faster than 8 MiB ones).
+SEND_CALL_BYTES = 256 << 10
 
 
 class ConnectionDropped(PeerLost):
@@ -125,7 +128,7 @@ def send_segments(
     sock: socket.socket, base: memoryview, offsets: np.ndarray, sizes: np.ndarray, tick: Tick | None = None
 ) -> None:
     """Send ``base[offsets[i]:+sizes[i]]`` for all i, in order, with gathered sendmsg calls."""
-    _pump(sock.sendmsg, base, offsets, sizes, tick)
+    _pump(lambda bufs: sock.sendmsg(_prefix(bufs, SEND_CALL_BYTES)), base, offsets, sizes, tick)
 
 
 def recv_segments(
@@ -159,6 +162,18 @@ def _pump(
             bufs = _advance(bufs, n)
         if tick is not None:
             tick(moved)
+
+
+def _prefix(bufs: list[memoryview], limit_bytes: int) -> list[memoryview]:
+    """The first ``limit_bytes`` of a list of buffers (the list itself when it holds fewer)."""
+    total = 0
+    for i, buf in enumerate(bufs):
+        total += len(buf)
+        if total >= limit_bytes:
+            head = bufs[: i + 1]
+            head[-1] = buf[: len(buf) - (total - limit_bytes)]
+            return head
+    return bufs
 
 
 def _advance(bufs: list[memoryview], n: int) -> list[memoryview]:

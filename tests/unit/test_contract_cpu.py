@@ -1,11 +1,13 @@
 """The contract suite for the CPU backends, tcp and shm, plus what is specific to each of them.
 
-Where CUDA is present, tcp also runs the whole suite with its regions in GPU memory (``tcp-cuda``).
+tcp also runs the whole suite through its GPU staging path forced onto CPU memory (``tcp-staged``)
+and, where CUDA is present, with its regions in GPU memory (``tcp-cuda``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -13,6 +15,7 @@ import torch
 
 from moriio_ray.config import TcpConfig
 from moriio_ray.errors import BackendUnavailable, ConfigError
+from moriio_ray.transfer import TransferAgent
 from moriio_ray.transfer.shm import sweep_stale_segments
 from moriio_ray.transfer.shm_segment import SHM_DIR
 from tests.contract.harness import Harness, pattern
@@ -31,6 +34,20 @@ class ShmHarness(Harness):
     hold_side = "client"  # the caller's copy parks between chunks
 
 
+class TcpStagedHarness(TcpHarness):
+    """tcp through its GPU staging path, forced onto CPU memory in this process.
+
+    Default 64 MiB windows: a whole BIG transfer is one window (the test with 1 MiB windows is below).
+    """
+
+    def make_agent(
+        self, key: str, epoch: int = 1, token: bytes | None = None, **config: Any
+    ) -> TransferAgent:
+        agent = super().make_agent(key, epoch, token, **config)
+        agent.stage_cpu_memory = True  # type: ignore[attr-defined]
+        return agent
+
+
 class TcpCudaHarness(TcpHarness):
     """tcp with the regions in GPU memory: the pinned staging path, where CUDA is present."""
 
@@ -41,8 +58,13 @@ _NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="tcp over GP
 
 
 @pytest.fixture(
-    params=[TcpHarness, ShmHarness, pytest.param(TcpCudaHarness, marks=[pytest.mark.gpu, _NO_CUDA])],
-    ids=["tcp", "shm", "tcp-cuda"],
+    params=[
+        TcpHarness,
+        ShmHarness,
+        TcpStagedHarness,
+        pytest.param(TcpCudaHarness, marks=[pytest.mark.gpu, _NO_CUDA]),
+    ],
+    ids=["tcp", "shm", "tcp-staged", "tcp-cuda"],
 )
 def harness(request: pytest.FixtureRequest) -> Iterator[Harness]:
     with request.param() as h:
