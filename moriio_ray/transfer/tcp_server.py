@@ -135,6 +135,9 @@ class TcpServer:
         except (OSError, TransferError) as exc:
             # EOF, reset or a timeout: the client went away or stalled; its side reports the failure
             log.debug("tcp server %s: connection ended: %s", self.key, exc)
+        except Exception:
+            # a bug, not the peer: log it; the client sees the connection close and reports PeerLost
+            log.exception("tcp server %s: request failed", self.key)
         finally:
             with self._lock:
                 self._conns.pop(conn, None)
