@@ -282,7 +282,7 @@ def main() -> None:
     )
     report = {
         "benchmark": "engine_bench",
-        "args": vars(a),
+        "args": {k: v for k, v in vars(a).items() if k != "out"},  # no machine paths in results
         "environment": {
             "torch": torch.__version__,
             "device": device_name,
