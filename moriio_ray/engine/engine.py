@@ -276,9 +276,13 @@ class Engine:
         )
 
     def has_work(self) -> bool:
-        """Whether ``step`` has anything to do (queued, running, or outputs to hand out)."""
+        """Whether ``step`` has anything to do: outputs to hand out, or a batch to run.
+
+        False while the only queued prompts wait for blocks that leases hold: a ``release``, an
+        ``abort`` or ``sweep_leases`` is what frees them, so a driver can sleep until one of those.
+        """
         with self._lock:
-            return bool(self.scheduler.waiting or self.scheduler.running or self._pending)
+            return bool(self._pending) or self.scheduler.can_schedule()
 
     # -- freeing --------------------------------------------------------------------------------
 

@@ -42,6 +42,16 @@ class Scheduler:
         seq.state = SeqState.WAITING
         self.waiting.append(seq)
 
+    def can_schedule(self) -> bool:
+        """Whether ``schedule`` would return a batch now (something runs, or the queue's head fits)."""
+        if self.running:
+            return True
+        if not self.waiting:
+            return False
+        head = self.waiting[0]
+        need = blocks_for(head.num_tokens, self.block_size) - len(head.block_table)
+        return head.num_cached > 0 or self.allocator.can_allocate(need)
+
     def schedule(self) -> Batch | None:
         prefill = self._schedule_prefill()
         if prefill:

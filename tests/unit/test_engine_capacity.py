@@ -92,7 +92,9 @@ def test_prefill_role_needs_only_prompt_blocks_and_queues_behind_leases() -> Non
     assert engine.stats()["num_leased_blocks"] == 4
     engine.add_request("b", [2] * 5, SamplingParams())
     assert engine.step() == [] and engine.stats()["num_waiting"] == 1  # all blocks leased: it queues
+    assert not engine.has_work()  # nothing to do until a lease goes
     assert engine.release("a")
+    assert engine.has_work()
     assert run_to_end(engine)["b"].prefill.block_ids  # type: ignore[union-attr]
     assert engine.release("b") and engine.stats()["num_free_blocks"] == 4
 
