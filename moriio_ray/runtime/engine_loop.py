@@ -66,10 +66,23 @@ class EngineLoop:
         self._step_waiters.append(fut)
         await fut
 
-    def post(self, fn: Callable[[], Any]) -> None:
-        """Run ``fn`` on the engine thread without waiting (cleanup paths that must not await)."""
-        if not self._stop.is_set():
+    def post(self, fn: Callable[[], Any], on_error: Callable[[BaseException], Any] | None = None) -> None:
+        """Run ``fn`` on the engine thread without waiting; ``on_error`` (called on the event loop)
+        receives its exception, else the exception is logged."""
+        if self._stop.is_set():
+            return
+        if on_error is None:
             self._calls.put((fn, None))
+            return
+        fut: asyncio.Future[Any] = self._loop.create_future()
+
+        def report(f: asyncio.Future[Any]) -> None:
+            exc = None if f.cancelled() else f.exception()
+            if exc is not None:
+                on_error(exc)
+
+        fut.add_done_callback(report)
+        self._calls.put((fn, fut))
 
     def stop(self, timeout_s: float = 5.0) -> None:
         self._stop.set()

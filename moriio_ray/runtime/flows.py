@@ -13,7 +13,6 @@ releases P's blocks at once.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -106,29 +105,28 @@ class Flows:
 
     async def _read(self, req: GenRequest, state: FlowState) -> AsyncIterator[TokenChunk]:
         handle, p = await self._prefill(req, state)
+        state.timings["prefill_s"] = handle.prefill_s
         released = False
+        d: Member | None = None
+        cost = req.params.max_tokens
         try:
-            yield TokenChunk(
-                token_ids=[handle.first_token],
-                logprobs=[handle.first_logprob] if handle.first_logprob is not None else None,
-                finished=handle.finished,
-                finish_reason=handle.finish_reason,
-            )
-            state.timings["prefill_s"] = handle.prefill_s
-            if handle.finished:
+            gen = None
+            if not handle.finished:
+                # Call D before handing the first token up: the caller may be slow (an HTTP write).
+                d = self.router.pick_decode_for(p, exclude=state.dead)
+                state.decode_key = d.key
+                self.router.acquire(d, cost)
+                gen = d.actor.decode.remote(req, handle)
+            yield _first_chunk(handle.first_token, handle.first_logprob, handle.finish_reason)
+            if d is None or gen is None:
                 return
-            d = self.router.pick_decode_for(p, exclude=state.dead)
-            state.decode_key = d.key
-            cost = req.params.max_tokens
-            self.router.acquire(d, cost)
-            try:
-                async for chunk in self._stream(d, d.actor.decode.remote(req, handle), state):
-                    released = True  # D released the lease once it had read
-                    _handoff(state, chunk, handle.prefill_done_unix)
-                    yield chunk
-            finally:
-                self.router.release(d, cost)
+            async for chunk in self._stream(d, gen, state):
+                released = True  # D released the lease once it had read
+                _handoff(state, chunk, handle.prefill_done_unix)
+                yield chunk
         finally:
+            if d is not None:
+                self.router.release(d, cost)
             if not released:  # finished at P, cancelled or failed before D read: free P's blocks now
                 p.actor.release.remote(handle.transfer_id)
 
@@ -169,17 +167,14 @@ class Flows:
             res = await deadline(d.actor.reserve.remote(req), self.timeout_s, f"reserve on {d.key}")
             push, _p = await self._push(req, d, res, state)
             state.timings["prefill_s"] = push.prefill_s
-            state.timings["push_wait_s"] = push.push_wait_s
-            yield TokenChunk(
-                token_ids=[push.first_token],
-                logprobs=[push.first_logprob] if push.first_logprob is not None else None,
-                finished=push.finished,
-                finish_reason=push.finish_reason,
-            )
-            if push.finished:
+            gen = None
+            if not push.finished:
+                reserved = False  # D.decode takes the reservation over
+                gen = d.actor.decode.remote(req, push)  # before the first token goes up
+            yield _first_chunk(push.first_token, push.first_logprob, push.finish_reason)
+            if gen is None:
                 return
-            reserved = False  # D.decode takes the reservation over
-            async for chunk in self._stream(d, d.actor.decode.remote(req, push), state):
+            async for chunk in self._stream(d, gen, state):
                 _handoff(state, chunk, push.prefill_done_unix)
                 yield chunk
         finally:
@@ -235,15 +230,34 @@ class Flows:
                 ray.cancel(gen)
 
 
+def _first_chunk(token: int, logprob: float | None, finish_reason: str | None) -> TokenChunk:
+    return TokenChunk(
+        token_ids=[token],
+        logprobs=[logprob] if logprob is not None else None,
+        finished=finish_reason is not None,
+        finish_reason=finish_reason,
+    )
+
+
 def _handoff(state: FlowState, chunk: TokenChunk, prefill_done_unix: float) -> None:
-    """The first decode chunk carries D's timings: derive the handoff overhead from them."""
+    """The first decode chunk carries D's timings: derive the handoff overhead from them.
+
+    handoff = D accepts the request for decoding - P finished prefill - raw transfer time, split
+    into the trip from P through the caller to D (``handoff_rpc_s``) and D's own work around the
+    transfer (reserve, plan, release, hand-over: ``handoff_local_s``).
+    """
     t = chunk.timings
     if not t or "decode_start_unix" not in t or "handoff_s" in state.timings:
         return
-    raw_s = t.get("transfer_s", 0.0)
-    state.timings.update({k: v for k, v in t.items() if k != "decode_start_unix"})
-    state.timings["handoff_s"] = max(0.0, t["decode_start_unix"] - prefill_done_unix - raw_s)
-    state.timings["first_decode_unix"] = time.time()
+    read_s = t.get("transfer_s", 0.0)  # READ: D's read, between entering and accepting
+    raw_s = read_s + t.get("push_wait_s", 0.0)  # WRITE: P's wait for its pushes, before returning
+    state.timings.update({k: v for k, v in t.items() if not k.endswith("_unix")})
+    total_s = max(0.0, t["decode_start_unix"] - prefill_done_unix - raw_s)
+    state.timings["handoff_s"] = total_s
+    if "decode_enter_unix" in t:
+        local_s = max(0.0, t["decode_start_unix"] - t["decode_enter_unix"] - read_s)
+        state.timings["handoff_local_s"] = local_s
+        state.timings["handoff_rpc_s"] = max(0.0, total_s - local_s)
 
 
 def _with_max_tokens(params: Any, max_tokens: int) -> Any:

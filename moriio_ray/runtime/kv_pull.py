@@ -22,6 +22,14 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+async def wait_transfer(xfer: Transfer, timeout_s: float) -> None:
+    """Wait for a transfer without blocking the event loop (no thread hop if it is already done)."""
+    if xfer.done():
+        xfer.wait(0.0)
+        return
+    await asyncio.to_thread(xfer.wait, timeout_s)
+
+
 @dataclass
 class PullResult:
     first_token: int | None  # None: recomputed locally, the engine samples the first token itself
@@ -42,6 +50,7 @@ class KVPuller:
         self.timings = timings
         self.cfg = worker.config.transfer
         self.peer: Peer | None = None
+        self._released = False
 
     async def run(self) -> PullResult:
         from moriio_ray.runtime.worker import reserve_blocks
@@ -49,8 +58,7 @@ class KVPuller:
         h, w, rid = self.handle, self.w, self.req.request_id
         limit_unix = h.lease_deadline_unix - self.cfg.read_margin_s
         # Blocks: wait for them at most until the lease would end; later the read may not start.
-        await reserve_blocks(w, self.req, time.monotonic() + max(0.0, limit_unix - time.time()))
-        blocks = await w.loop.call(lambda: w.engine.prefill_blocks(rid))
+        blocks = await reserve_blocks(w, self.req, time.monotonic() + max(0.0, limit_unix - time.time()))
         xfer: Transfer | None = None
         try:
             self.peer = await w.peers.get(h.engine_key, h.epoch)
@@ -65,11 +73,10 @@ class KVPuller:
                 )
             t0 = time.perf_counter()
             xfer = w.agent.read(w.kv_mem, remote_mem, plan.local_offsets, plan.remote_offsets, plan.sizes)
-            await asyncio.to_thread(xfer.wait, min(self.cfg.timeout_s, remaining_s))
+            await wait_transfer(xfer, min(self.cfg.timeout_s, remaining_s))
             transfer_s = time.perf_counter() - t0
         except (MoriioRayError, TimeoutError) as exc:
             return await self._failed(exc, xfer)
-        self._release()
         w.counters["transfers"] += 1
         w.counters["transfer_bytes"] += plan.num_bytes
         metrics.record_transfer(
@@ -80,9 +87,10 @@ class KVPuller:
         self.timings["transfer_segments"] = float(plan.num_segments)
         return PullResult(h.first_token, h.first_logprob, rid, None)
 
-    def _release(self) -> None:
+    def release(self) -> None:
         """Tell P to free the lease now (fire and forget: P frees it at lease + grace anyway)."""
-        if self.peer is not None:
+        if self.peer is not None and not self._released:
+            self._released = True
             self.peer.actor.release.remote(self.handle.transfer_id)
 
     async def _failed(self, exc: BaseException, xfer: Transfer | None) -> PullResult:
@@ -91,7 +99,7 @@ class KVPuller:
         log.warning("%s: KV read for %s failed (%s): %s", w.key, rid, kind, exc)
         w.counters["transfer_failures"] += 1
         metrics.record_failure(kind, role=w.role)
-        self._release()
+        self.release()
         if self.cfg.on_transfer_failure == "fail":
             raise exc
         new_rid = rid

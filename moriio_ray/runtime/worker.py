@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from moriio_ray import metrics
@@ -219,11 +219,13 @@ class EngineWorker:
         self.counters["requests"] += 1
         rid = req.request_id
         q = self.loop.subscribe(rid)
-        timings: dict[str, float] = {}
+        timings: dict[str, float] = {"decode_enter_unix": time.time()}
+        puller: KVPuller | None = None
         try:
             first: int | None
             if isinstance(source, KVHandle):
-                pulled = await KVPuller(self, req, source, timings).run()
+                puller = KVPuller(self, req, source, timings)
+                pulled = await puller.run()
                 first, first_lp = pulled.first_token, pulled.first_logprob
                 if pulled.queue is not None:  # recomputed locally (maybe under a fresh id)
                     if pulled.request_id != rid:
@@ -235,9 +237,14 @@ class EngineWorker:
                     raise TransferError(f"request {rid!r}: no reservation on {self.key} (expired?)")
                 first, first_lp = source.first_token, source.first_logprob
                 timings["push_wait_s"] = source.push_wait_s
-            timings["decode_start_unix"] = time.time()
             if first is not None:
-                await self.loop.call(lambda: self.engine.start_decode(rid, first, first_lp))
+                # Posted, not awaited: the engine thread takes it in call order, and a failure
+                # reaches the stream through the request's queue.
+                self.loop.post(_accept(self.engine, rid, first, first_lp, timings), on_error=q.put_nowait)
+            else:
+                timings["decode_start_unix"] = time.time()
+            if puller is not None:
+                puller.release()  # after the hand-over: the Ray call is off the critical path
             async for chunk in stream_outputs(q, self.config.runtime.remote_timeout_s, skip_first=True):
                 if chunk.timings is None and timings:
                     chunk.timings, timings = dict(timings), {}
@@ -378,6 +385,18 @@ async def reserve_blocks(worker: EngineWorker, req: GenRequest, deadline_s: floa
                 f"{worker.key}: no free KV blocks for {req.request_id} before its deadline"
             )
         await worker.loop.next_step()
+
+
+def _accept(
+    engine: Engine, rid: str, first: int, first_lp: float | None, timings: dict[str, float]
+) -> Callable[[], None]:
+    """The engine-thread call that joins a request to decoding, timestamped where it happens."""
+
+    def run() -> None:
+        engine.start_decode(rid, first, first_lp)
+        timings["decode_start_unix"] = time.time()
+
+    return run
 
 
 def _prepare_device(config: PipelineConfig, role: str) -> None:
