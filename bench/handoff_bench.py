@@ -30,15 +30,15 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import ray  # noqa: E402
+import ray
 
-from moriio_ray import PDPipeline, SamplingParams  # noqa: E402
-from moriio_ray.config import parse_pipeline_config  # noqa: E402
+from moriio_ray import PDPipeline, SamplingParams
+from moriio_ray.config import parse_pipeline_config
 
 
 def pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
 def config(args: argparse.Namespace, name: str, backend: str, mode: str, colocated: bool) -> Any:
@@ -135,16 +135,20 @@ def main() -> None:
         ray.init(namespace="moriio_ray", include_dashboard=False, log_to_driver=False)
     results: dict[str, dict[str, float]] = {}
     print("colocated baseline", flush=True)
-    results["colocated"] = summarize(measure(args, "colocated", config(args, "hb-col", "shm", "read", True)))
+    first_backend = args.backends.split(",")[0]  # a colocated GPU engine needs a GPU-capable agent
+    results["colocated"] = summarize(
+        measure(args, "colocated", config(args, "hb-col", first_backend, "read", True))
+    )
     for backend in args.backends.split(","):
         for mode in args.modes.split(","):
             name = f"{backend}-{mode}"
             print(name, flush=True)
             cfg = config(args, f"hb-{backend}-{mode}", backend, mode, False)
             results[name] = summarize(measure(args, name, cfg))
-    for name, r in results.items():
+    base_ttft_ms = results["colocated"]["ttft_s_p50_ms"]
+    for r in results.values():
         if "handoff_s_p50_ms" in r:
-            r["handoff_over_colocated_ttft_p50"] = r["handoff_s_p50_ms"] / results["colocated"]["ttft_s_p50_ms"]
+            r["handoff_over_colocated_ttft_p50"] = r["handoff_s_p50_ms"] / base_ttft_ms
     tag = args.tag or f"{args.preset}_{args.device}"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -137,6 +137,7 @@ class EngineWorker:
             "key": self.key,
             "role": self.role,
             "epoch": self.epoch,
+            "device": str(self.engine.device),
             **stats,
             **self.counters,
             "pending_reservations": len(self._reservations),
