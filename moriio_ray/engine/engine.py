@@ -230,7 +230,7 @@ class Engine:
                     seq.params.temperature,
                     seq.params.top_k,
                     seq.params.top_p,
-                    row_key(seq.seed, len(seq.output_ids)),
+                    row_key(seq.seed, len(seq.output_ids)) if seq.params.temperature > 0 else 0,
                     seq.params.logprobs,
                 )
                 for seq in batch.seqs
