@@ -6,7 +6,9 @@ and, where CUDA is present, with its regions in GPU memory (``tcp-cuda``).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -182,3 +184,19 @@ def test_shm_allocation_that_cannot_fit_fails_cleanly() -> None:
         with pytest.raises(BackendUnavailable, match="cannot reserve 70368744177664 bytes"):
             a.allocate((1 << 46,), torch.uint8, "cpu")  # 64 TiB: more than any /dev/shm holds
         assert _segments_of(os.getpid()) == before  # nothing left behind
+
+
+# -- the benchmark of these backends -------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_transfer_bench_quick_runs_and_writes_its_results(tmp_path: Path) -> None:
+    from bench.transfer_bench import main
+
+    main(["--quick", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "transfer_bench_quick.json").read_text())
+    assert [r["segment_bytes"] for r in result["rows"]] == [4096 << i for i in range(5)]
+    for row in result["rows"]:
+        for key in ("tcp_read", "raw_read", "shm_write", "numpy_write"):
+            assert row[f"{key}_gbps"] > 0
+    assert (tmp_path / "transfer_bench_quick.png").stat().st_size > 10_000
