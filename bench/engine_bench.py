@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import platform
 import statistics
 import sys
@@ -217,10 +218,13 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--layout", default="layer_major", choices=["layer_major", "block_major"])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     parser.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly on CUDA")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     a = parser.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)  # on a shared host, spinning OpenMP threads distort timings
     batches = [int(b) for b in a.batch_sizes.split(",")]
     max_batch = max(batches)
     # blocks for the largest batch (with the warm-up's requests gone by then), plus slack
@@ -247,6 +251,7 @@ def main() -> None:
     )
     print(f"  built in {build_s:.1f} s", flush=True)
     hf = None if a.no_hf else hf_model(engine.args, engine.dtype, engine.device)
+    load_before = os.getloadavg()  # other processes on the host distort CPU timings: keep a record
     results = []
     for batch in batches:
         print(f"batch {batch}: engine ...", flush=True)
@@ -288,6 +293,8 @@ def main() -> None:
             "device": device_name,
             "cpu_threads": torch.get_num_threads(),
             "python": platform.python_version(),
+            "cpu_count": os.cpu_count(),
+            "load_avg_1m_before_after": [load_before[0], os.getloadavg()[0]],
         },
         "engine_build_s": build_s,
         "results": results,
