@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -33,6 +34,12 @@ def _parse(raw: bytes) -> Any:
         return json.loads(raw)
     except json.JSONDecodeError:
         return raw.decode(errors="replace")
+
+
+def _default_sigint() -> None:
+    # A parent started in the background (nohup, `cmd &`) ignores SIGINT, and an ignored signal stays
+    # ignored across exec: Python in the child would then never raise KeyboardInterrupt on SIGINT.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def free_port() -> int:
@@ -75,7 +82,12 @@ class ServeProcess:
         ]
         self._log = self.log_path.open("wb")
         self.proc = subprocess.Popen(
-            cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, cwd=Path.cwd()
+            cmd,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            cwd=Path.cwd(),
+            preexec_fn=_default_sigint,
         )
 
     def wait_healthy(self, timeout_s: float = 180.0) -> None:
@@ -167,6 +179,10 @@ class ServeProcess:
             return []
         return [target for group in groups for target in group.get("targets", [])]
 
+    def remove_work_dir(self) -> None:
+        """Delete the copied config, the log and the Ray session dir (call once everything exited)."""
+        shutil.rmtree(self.work_dir, ignore_errors=True)
+
     def log_tail(self, num_chars: int = 4000) -> str:
         try:
             return self.log_path.read_text(errors="replace")[-num_chars:]
@@ -179,6 +195,7 @@ class ServeProcess:
             self.wait_healthy()
         except BaseException:
             self.kill()
+            self.remove_work_dir()
             raise
         return self
 
@@ -188,3 +205,4 @@ class ServeProcess:
                 self.stop()
         finally:
             self.kill()
+            self.remove_work_dir()

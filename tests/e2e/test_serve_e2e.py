@@ -41,6 +41,7 @@ def server() -> Iterator[ServeProcess]:
             except Exception:
                 pass
         proc.kill()
+        proc.remove_work_dir()
 
 
 @pytest.fixture(scope="module")
