@@ -64,6 +64,9 @@ class EngineWorker:
             agent=self.agent,
             lease_grace_s=config.transfer.lease_grace_s,
             lease_s=config.transfer.kv_lease_s,
+            # A lazy CUDA-graph capture on the engine thread is invalidated by the transfer agent's
+            # CUDA calls from the worker's other threads (seen on H200 with cuda_ipc): eager decode.
+            cuda_graphs=False,
         )
         if self.engine.kv_mem is None:
             raise ConfigError("engine: the KV cache was not registered with the transfer agent")
