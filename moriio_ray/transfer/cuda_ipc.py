@@ -30,7 +30,7 @@ import msgspec
 import numpy as np
 import torch
 
-from moriio_ray.errors import BackendUnavailable, ConfigError, PeerLost
+from moriio_ray.errors import BackendUnavailable, ConfigError, PeerLost, StaleDescriptor
 from moriio_ray.transfer import cuda_memory
 from moriio_ray.transfer.base import EngineDesc, MemoryDesc, Transfer, TransferAgent, check_bounds
 from moriio_ray.transfer.cuda_devices import device_uuids, enable_peer_access, index_of_uuid
@@ -231,6 +231,11 @@ class CudaIpcAgent(TransferAgent):
     ) -> Transfer:
         device = local.device
         assert device.index is not None
+        if remote_mem.epoch != peer.epoch:  # also here: callers may reach _transfer directly
+            raise StaleDescriptor(
+                f"region {remote_mem.mem_id} of {peer.key!r} is from epoch {remote_mem.epoch}, "
+                f"the connected peer is epoch {peer.epoch}"
+            )
         if not self._peer_alive(peer.key, thorough=False):
             raise PeerLost(f"peer {peer.key!r} (pid {self._peer_info[peer.key].pid}) has exited")
         remote_ptr, real_bytes = self._remote_region(peer, remote_mem, device.index)
