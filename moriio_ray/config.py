@@ -98,7 +98,7 @@ class CudaIpcConfig(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
     """The cuda_ipc backend (NVIDIA GPUs of one host)."""
 
     # Below this many bytes per transfer a batch of copy-engine memcpys beats the kernel launch.
-    small_transfer_bytes: int = 0
+    small_transfer_bytes: int = 64 << 10  # measured on H200: copies win below ~2 segments of 32 KiB
     max_ctas: int = 0  # 0: choose from the SM count
 
     def __post_init__(self) -> None:
