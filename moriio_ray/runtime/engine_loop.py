@@ -92,6 +92,12 @@ class EngineLoop:
     # -- engine thread --------------------------------------------------------------------------
 
     def _run(self) -> None:
+        if self.engine.device.type == "cuda":
+            # The current CUDA device is per thread: without this, a worker on cuda:1 would run
+            # its engine thread with cuda:0 current (graph captures and new streams land there).
+            import torch
+
+            torch.cuda.set_device(self.engine.device)
         while not self._stop.is_set():
             try:
                 self._serve_calls(block=not self.engine.has_work())

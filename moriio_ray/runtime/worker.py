@@ -64,8 +64,10 @@ class EngineWorker:
             agent=self.agent,
             lease_grace_s=config.transfer.lease_grace_s,
             lease_s=config.transfer.kv_lease_s,
-            # A lazy CUDA-graph capture on the engine thread is invalidated by the transfer agent's
-            # CUDA calls from the worker's other threads (seen on H200 with cuda_ipc): eager decode.
+            # Eager decode in workers: on two H200s the decode worker on cuda:1 failed its lazy
+            # CUDA-graph capture ("operation not permitted when stream is capturing"). The likely
+            # cause, that the engine thread ran with cuda:0 current, is fixed in EngineLoop but not
+            # yet verified on a GPU, so graphs stay off here until it is.
             cuda_graphs=False,
         )
         if self.engine.kv_mem is None:
