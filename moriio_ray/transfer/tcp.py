@@ -27,7 +27,7 @@ from moriio_ray.transfer.handle import FutureTransfer
 from moriio_ray.transfer.tcp_client import PeerPool, Workers
 from moriio_ray.transfer.tcp_region import Region, make_region
 from moriio_ray.transfer.tcp_server import TcpServer
-from moriio_ray.transfer.tcp_wire import OK, OPS, REQUEST, error_for, recv_status, send_all
+from moriio_ray.transfer.tcp_wire import OK, OPS, REQUEST, error_for, recv_status, send_all, set_deadline
 
 _MAX_CONNS_PER_PEER = 4
 _NUM_WORKERS = 8
@@ -157,7 +157,7 @@ class _Request:
             self.sock = self.pool.acquire(self.deadline_s)
             healthy = self._exchange(self.sock)
             self.transfer.set_done()
-        except TimeoutError:  # socket.timeout and TransferTimeout alike
+        except (TimeoutError, BlockingIOError):  # TransferTimeout, or a socket past its deadline
             self.transfer.set_error(
                 TransferTimeout(
                     f"transfer of {self.transfer.num_bytes} bytes with peer {key!r} did not finish within "
@@ -203,4 +203,4 @@ class _Request:
         if left <= 0:
             raise TimeoutError("deadline passed")
         assert self.sock is not None
-        self.sock.settimeout(left)
+        set_deadline(self.sock, left)

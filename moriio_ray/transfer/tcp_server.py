@@ -33,6 +33,7 @@ from moriio_ray.transfer.tcp_wire import (
     VERSION,
     recv_arrays,
     recv_exact,
+    set_deadline,
     status_frame,
 )
 
@@ -122,14 +123,14 @@ class TcpServer:
 
     def _serve(self, conn: socket.socket) -> None:
         try:
-            conn.settimeout(self._timeout_s)
+            set_deadline(conn, self._timeout_s)
             if not self._hello(conn):
                 return
             head = bytearray(REQUEST.size)
             while not self._closing.is_set():
-                conn.settimeout(None)  # an idle pooled connection waits for its next request
+                set_deadline(conn, None)  # an idle pooled connection waits for its next request
                 recv_exact(conn, memoryview(head)[:1])
-                conn.settimeout(self._timeout_s)
+                set_deadline(conn, self._timeout_s)
                 recv_exact(conn, memoryview(head)[1:])
                 self._request(conn, *REQUEST.unpack(head))
         except (OSError, TransferError) as exc:
