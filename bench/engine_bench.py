@@ -6,9 +6,10 @@ tokens: one ``step()`` prefills them all (one prefill batch) and samples the fir
 whole engine steps (scheduling, input building, forward, sampling), wall clock between device
 synchronisations, median of --repeats runs after one warm-up run that is not counted.
 
-The baseline, in the same run on the same device and dtype, is the ``transformers`` model of the
-same architecture (its own random weights; speed does not depend on them): one forward over the
-prompts (``logits_to_keep=1``), then a greedy loop of single-token forwards with its KV cache.
+The baseline ("hf"), in the same run on the same device and dtype, is the ``transformers`` model of
+the same architecture (its own random weights; speed does not depend on them): one forward over
+the prompts (``logits_to_keep=1``), then a greedy loop of single-token forwards with its KV cache.
+The two systems take turns, run by run, so that a drifting host load affects both alike.
 
     python bench/engine_bench.py --preset tiny --device cpu --dtype float32
     python bench/engine_bench.py --preset llama-1b --device cuda --dtype bfloat16
@@ -167,14 +168,19 @@ def median_rates(runs: list[dict[str, float]]) -> dict[str, float]:
     }
 
 
-def measure(run: Callable[[int], dict[str, float]], repeats: int, decode_steps: int) -> dict[str, float]:
-    run(-1)  # warm-up, not counted
-    runs = []
+def measure(
+    runs: dict[str, Callable[[int], dict[str, float]]], repeats: int, decode_steps: int
+) -> dict[str, dict[str, float]]:
+    """Median rates of each system; the systems take turns, so drifting host load hits both alike."""
+    for run in runs.values():
+        run(-1)  # warm-up (and CUDA-graph capture), not counted
+    samples: dict[str, list[dict[str, float]]] = {name: [] for name in runs}
     for i in range(repeats):
-        r = run(i)
-        r["decode_steps"] = decode_steps
-        runs.append(r)
-    return median_rates(runs)
+        for name, run in runs.items():
+            r = run(i)
+            r["decode_steps"] = decode_steps
+            samples[name].append(r)
+    return {name: median_rates(rs) for name, rs in samples.items()}
 
 
 def plot(results: list[dict[str, Any]], title: str, path: Path) -> None:
@@ -254,32 +260,23 @@ def main() -> None:
     load_before = os.getloadavg()  # other processes on the host distort CPU timings: keep a record
     results = []
     for batch in batches:
-        print(f"batch {batch}: engine ...", flush=True)
-        row: dict[str, Any] = {"batch_size": batch}
-        row["engine"] = measure(
-            functools.partial(engine_run, engine, batch, a.prompt_len, a.decode_steps),
-            a.repeats,
-            a.decode_steps,
-        )
-        print(
-            f"  engine: prefill {row['engine']['prefill_tok_s']:,.0f} tok/s, "
-            f"decode {row['engine']['decode_tok_s']:,.0f} tok/s",
-            flush=True,
-        )
+        systems: dict[str, Callable[[int], dict[str, float]]] = {
+            "engine": functools.partial(engine_run, engine, batch, a.prompt_len, a.decode_steps)
+        }
         if hf is not None:
-            print(f"batch {batch}: transformers ...", flush=True)
-            row["hf"] = measure(
-                functools.partial(hf_run, hf, batch, a.prompt_len, a.decode_steps, engine.device),
-                a.repeats,
-                a.decode_steps,
-            )
-            row["ratio"] = {k: row["engine"][k] / row["hf"][k] for k in ("prefill_tok_s", "decode_tok_s")}
+            systems["hf"] = functools.partial(hf_run, hf, batch, a.prompt_len, a.decode_steps, engine.device)
+        print(f"batch {batch}: {' and '.join(systems)}, {a.repeats} turns each ...", flush=True)
+        row: dict[str, Any] = {"batch_size": batch, **measure(systems, a.repeats, a.decode_steps)}
+        for name in systems:
             print(
-                f"  transformers: prefill {row['hf']['prefill_tok_s']:,.0f} tok/s, "
-                f"decode {row['hf']['decode_tok_s']:,.0f} tok/s; engine/transformers: "
-                f"prefill {row['ratio']['prefill_tok_s']:.2f}x, decode {row['ratio']['decode_tok_s']:.2f}x",
+                f"  {name}: prefill {row[name]['prefill_tok_s']:,.0f} tok/s, "
+                f"decode {row[name]['decode_tok_s']:,.0f} tok/s",
                 flush=True,
             )
+        if hf is not None:
+            row["ratio"] = {k: row["engine"][k] / row["hf"][k] for k in ("prefill_tok_s", "decode_tok_s")}
+            ratio = row["ratio"]
+            print(f"  engine/hf: prefill {ratio['prefill_tok_s']:.2f}x, decode {ratio['decode_tok_s']:.2f}x")
         results.append(row)
         assert engine.stats()["num_used_blocks"] == 0
     device_name = (
