@@ -26,7 +26,8 @@ from moriio_ray.serve.errors import too_large
 from moriio_ray.serve.handler import MAX_BODY_BYTES, JSONReply, OpenAIServer, StreamReply, error_reply
 from moriio_ray.serve.prepare import Limits
 
-log = logging.getLogger(__name__)
+# Serve's logger: its lines reach the replica log and `serve run`'s output with the replica's context.
+log = logging.getLogger("ray.serve")
 
 # Serve admits this many requests beyond serve.max_ongoing_requests into the replica, so that the
 # replica itself answers the excess with an immediate 429 and /health or /stats still get through.
@@ -41,7 +42,9 @@ def attach_or_launch(config: PipelineConfig) -> tuple[Any, bool]:
         pipe = PDPipeline.connect(config.name)
     except ConfigError:
         log.info("no pipeline %r is running; launching it", config.name)
-        return PDPipeline.launch(config, detached=True), True
+        pipe = PDPipeline.launch(config, detached=True)
+        log.info("launched the pipeline %r", config.name)
+        return pipe, True
     if pipe.config != config:
         raise ConfigError(
             f"name: a pipeline named {config.name!r} already runs with another config; shut it down "
@@ -115,11 +118,20 @@ class OpenAIIngress:
             return _json(reply)
         return SSEResponse(reply)
 
-    async def __del__(self) -> None:
-        """Serve calls this on graceful shutdown: stop the pipeline if this replica launched it."""
-        if getattr(self, "launched", False):
-            log.info("shutting down the pipeline this replica launched")
-            await asyncio.to_thread(self.pipe.shutdown)
+    def __del__(self) -> None:
+        """Serve calls this on graceful shutdown: stop the pipeline if this replica launched it.
+
+        Synchronous on purpose: Python calls ``__del__`` again when it collects the object, and an
+        ``async def`` would leave that call's coroutine unawaited. The flag makes the second call a
+        no-op. Blocking the replica's loop here is harmless: it has already drained its requests.
+        """
+        if not getattr(self, "launched", False):
+            return
+        self.launched = False
+        name = self.pipe.config.name
+        log.info("stopping the pipeline %r, which this replica launched", name)
+        self.pipe.shutdown()
+        log.info("stopped the pipeline %r", name)
 
 
 def build_app(args: dict[str, Any] | PipelineConfig) -> Application:

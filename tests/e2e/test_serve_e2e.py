@@ -326,3 +326,6 @@ def test_clean_shutdown_on_sigint(server: ServeProcess) -> None:
     assert left == [], f"processes left after serve run exited: {left}"
     assert server.get("/health")[0] == 0  # nothing listens any more
     assert not [p for p in segments if p.exists()], "shared-memory segments left behind"
+    log = server.log_tail(200_000)
+    assert "launched the pipeline 'tiny-1p1d'" in log  # the ingress found no pipeline and started one
+    assert "stopped the pipeline 'tiny-1p1d'" in log, "the ingress did not stop the pipeline it launched"
