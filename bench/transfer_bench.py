@@ -10,11 +10,13 @@ process (spawned):
 - shm   ``agent.read`` / ``agent.write`` against the peer's shm region, vs. the copy baseline:
         a numpy slice-copy loop over the same segments between the same two mappings.
 
-Every timed run is followed by a check of 64 sampled segments against the expected bytes. Each
-point is the median of ``--reps`` runs. Contiguous references (one 256 MiB ``sendall`` and one
-``np.copyto``) are reported too. Results: ``bench/results/transfer_bench.json`` and ``.png``.
+Each system runs interleaved with its baseline. 64 sampled segments are checked against the expected
+bytes after every read and shm write (tcp and raw-socket writes: by the peer, once their runs are
+done). Each point is the median of ``--reps`` runs after a warm-up. Contiguous references (one
+256 MiB ``sendall`` and one ``np.copyto``) are reported too. Results go to
+``bench/results/transfer_bench.json`` and ``.png``.
 
-    python -m bench.transfer_bench [--quick] [--reps 5] [--out bench/results]
+    python -m bench.transfer_bench [--quick] [--reps 9] [--out bench/results]
 """
 
 from __future__ import annotations
