@@ -58,11 +58,7 @@ def check_model(requested: str | None, limits: Limits) -> None:
 
 def prepare_completion(req: CompletionRequest, tok: TokenizerLike, limits: Limits) -> Prepared:
     check_model(req.model, limits)
-    if req.logprobs not in (None, 0):
-        raise bad_request(
-            "logprobs: only 0 is supported (the sampled token's log probability, no alternatives)",
-            param="logprobs",
-        )
+    _only_zero(req.logprobs, "logprobs")
     ids = _prompt_ids(req.prompt, tok)
     params = _sampling(req, req.max_tokens, "max_tokens", len(ids), limits, logprobs=req.logprobs == 0)
     return Prepared(token_ids=ids, params=params)
@@ -70,11 +66,7 @@ def prepare_completion(req: CompletionRequest, tok: TokenizerLike, limits: Limit
 
 def prepare_chat(req: ChatCompletionRequest, tok: TokenizerLike, limits: Limits) -> Prepared:
     check_model(req.model, limits)
-    if req.top_logprobs not in (None, 0):
-        raise bad_request(
-            "top_logprobs: only 0 is supported (the sampled token's log probability, no alternatives)",
-            param="top_logprobs",
-        )
+    _only_zero(req.top_logprobs, "top_logprobs")
     if not req.messages:
         raise bad_request("messages: at least one message is required", param="messages")
     messages = [_message_dict(i, m.role, m.content) for i, m in enumerate(req.messages)]
@@ -90,6 +82,14 @@ def prepare_chat(req: ChatCompletionRequest, tok: TokenizerLike, limits: Limits)
         max_tokens, name = req.max_tokens, "max_tokens"
     params = _sampling(req, max_tokens, name, len(ids), limits, logprobs=req.logprobs)
     return Prepared(token_ids=ids, params=params)
+
+
+def _only_zero(value: int | None, name: str) -> None:
+    if value not in (None, 0):
+        raise bad_request(
+            f"{name}: only 0 is supported (the sampled token's log probability, no alternatives)",
+            param=name,
+        )
 
 
 def _message_dict(index: int, role: str, content: object) -> dict[str, str]:

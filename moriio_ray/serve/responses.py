@@ -9,11 +9,13 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 import msgspec
 
 T = TypeVar("T")
+C = TypeVar("C")
+L = TypeVar("L")
 
 SSE_DONE = b"data: [DONE]\n\n"
 
@@ -37,6 +39,17 @@ def usage(num_prompt_tokens: int, num_output_tokens: int) -> Usage:
     )
 
 
+class Envelope(msgspec.Struct, Generic[C], kw_only=True):
+    """What every response and stream chunk has around its choices (``object`` names the kind)."""
+
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[C]
+    usage: Usage | None = None
+
+
 # -- /v1/completions ---------------------------------------------------------------------------
 
 
@@ -47,20 +60,20 @@ class CompletionLogprobs(msgspec.Struct, kw_only=True):
     text_offset: list[int]
 
 
-class CompletionChoice(msgspec.Struct, kw_only=True):
+class Choice(msgspec.Struct, Generic[L], kw_only=True):
+    """What every choice has; ``L`` is the endpoint's logprobs object."""
+
     index: int = 0
-    text: str
-    logprobs: CompletionLogprobs | None = None
+    logprobs: L | None = None
     finish_reason: str | None = None
 
 
-class Completion(msgspec.Struct, kw_only=True):
-    id: str
+class CompletionChoice(Choice[CompletionLogprobs], kw_only=True):
+    text: str
+
+
+class Completion(Envelope[CompletionChoice], kw_only=True):
     object: str = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
 
 
 # -- /v1/chat/completions ----------------------------------------------------------------------
@@ -82,20 +95,12 @@ class AssistantMessage(msgspec.Struct, kw_only=True):
     content: str
 
 
-class ChatChoice(msgspec.Struct, kw_only=True):
-    index: int = 0
+class ChatChoice(Choice[ChatLogprobs], kw_only=True):
     message: AssistantMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
 
 
-class ChatCompletion(msgspec.Struct, kw_only=True):
-    id: str
+class ChatCompletion(Envelope[ChatChoice], kw_only=True):
     object: str = "chat.completion"
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage | None = None
 
 
 class ChatDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -103,27 +108,23 @@ class ChatDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
     content: str | None = None
 
 
-class ChatChunkChoice(msgspec.Struct, kw_only=True):
-    index: int = 0
+class ChatChunkChoice(Choice[ChatLogprobs], kw_only=True):
     delta: ChatDelta
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
 
 
-class ChatCompletionChunk(msgspec.Struct, kw_only=True):
-    id: str
+class ChatCompletionChunk(Envelope[ChatChunkChoice], kw_only=True):
     object: str = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None
 
 
 # -- formatters --------------------------------------------------------------------------------
 
 
 class _Format:
+    """The request-wide fields, plus the frame and body builders both endpoints share."""
+
     prefix = ""
+    whole_type: Callable[..., Any]
+    chunk_type: Callable[..., Any]
 
     def __init__(self, model: str, decode: Callable[[list[int]], str], *, logprobs: bool) -> None:
         self.id = f"{self.prefix}-{uuid.uuid4().hex}"
@@ -138,11 +139,44 @@ class _Format:
     def _envelope(self, cls: Callable[..., T], choices: list[Any], use: Usage | None = None) -> T:
         return cls(id=self.id, created=self.created, model=self.model, choices=choices, usage=use)
 
+    def _logprobs(self, token_ids: list[int], values: list[float] | None) -> Any:
+        raise NotImplementedError
+
+    def _chunk_choice(self, text: str, logprobs: Any, finish_reason: str | None) -> Any:
+        raise NotImplementedError
+
+    def _whole_choice(self, text: str, logprobs: Any, finish_reason: str | None) -> Any:
+        raise NotImplementedError
+
+    def chunk(
+        self, text: str, token_ids: list[int], logprobs: list[float] | None, finish_reason: str | None
+    ) -> bytes:
+        """One SSE frame carrying ``text`` (the tokens' new text) and, on the last, the finish reason."""
+        choice = self._chunk_choice(text, self._logprobs(token_ids, logprobs), finish_reason)
+        return sse(self._envelope(self.chunk_type, [choice]))
+
+    def usage_chunk(self, use: Usage) -> bytes:
+        """The frame that ``stream_options.include_usage`` adds: no choices, only usage."""
+        return sse(self._envelope(self.chunk_type, [], use))
+
+    def whole(
+        self,
+        text: str,
+        token_ids: list[int],
+        logprobs: list[float] | None,
+        finish_reason: str | None,
+        use: Usage,
+    ) -> bytes:
+        """The JSON body of a request that does not stream."""
+        choice = self._whole_choice(text, self._logprobs(token_ids, logprobs), finish_reason)
+        return msgspec.json.encode(self._envelope(self.whole_type, [choice], use))
+
 
 class CompletionFormat(_Format):
     """Bodies for ``/v1/completions`` (ids ``cmpl-...``)."""
 
     prefix = "cmpl"
+    whole_type = chunk_type = Completion
 
     def __init__(self, model: str, decode: Callable[[list[int]], str], *, logprobs: bool) -> None:
         super().__init__(model, decode, logprobs=logprobs)
@@ -158,35 +192,18 @@ class CompletionFormat(_Format):
             self._offset += len(text)
         return CompletionLogprobs(tokens=texts, token_logprobs=list(values), text_offset=offsets)
 
-    def chunk(
-        self, text: str, token_ids: list[int], logprobs: list[float] | None, finish_reason: str | None
-    ) -> bytes:
-        choice = CompletionChoice(
-            text=text, logprobs=self._logprobs(token_ids, logprobs), finish_reason=finish_reason
-        )
-        return sse(self._envelope(Completion, [choice]))
+    def _chunk_choice(self, text: str, logprobs: Any, finish_reason: str | None) -> CompletionChoice:
+        return CompletionChoice(text=text, logprobs=logprobs, finish_reason=finish_reason)
 
-    def usage_chunk(self, use: Usage) -> bytes:
-        return sse(self._envelope(Completion, [], use))
-
-    def whole(
-        self,
-        text: str,
-        token_ids: list[int],
-        logprobs: list[float] | None,
-        finish_reason: str | None,
-        use: Usage,
-    ) -> bytes:
-        choice = CompletionChoice(
-            text=text, logprobs=self._logprobs(token_ids, logprobs), finish_reason=finish_reason
-        )
-        return msgspec.json.encode(self._envelope(Completion, [choice], use))
+    _whole_choice = _chunk_choice
 
 
 class ChatFormat(_Format):
     """Bodies for ``/v1/chat/completions`` (ids ``chatcmpl-...``)."""
 
     prefix = "chatcmpl"
+    whole_type = ChatCompletion
+    chunk_type = ChatCompletionChunk
 
     def _logprobs(self, token_ids: list[int], values: list[float] | None) -> ChatLogprobs | None:
         if not self.logprobs or values is None:
@@ -197,34 +214,16 @@ class ChatFormat(_Format):
         ]
         return ChatLogprobs(content=entries)
 
-    def _chunk(self, choice: ChatChunkChoice) -> bytes:
-        return sse(self._envelope(ChatCompletionChunk, [choice]))
-
     def role_chunk(self) -> bytes:
         """The first frame of a stream: the assistant role with empty content, as OpenAI sends it."""
-        return self._chunk(ChatChunkChoice(delta=ChatDelta(role="assistant", content="")))
+        choice = ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))
+        return sse(self._envelope(self.chunk_type, [choice]))
 
-    def chunk(
-        self, text: str, token_ids: list[int], logprobs: list[float] | None, finish_reason: str | None
-    ) -> bytes:
+    def _chunk_choice(self, text: str, logprobs: Any, finish_reason: str | None) -> ChatChunkChoice:
         delta = ChatDelta(content=text) if text or finish_reason is None else ChatDelta()
-        lps = self._logprobs(token_ids, logprobs)
-        return self._chunk(ChatChunkChoice(delta=delta, logprobs=lps, finish_reason=finish_reason))
+        return ChatChunkChoice(delta=delta, logprobs=logprobs, finish_reason=finish_reason)
 
-    def usage_chunk(self, use: Usage) -> bytes:
-        return sse(self._envelope(ChatCompletionChunk, [], use))
-
-    def whole(
-        self,
-        text: str,
-        token_ids: list[int],
-        logprobs: list[float] | None,
-        finish_reason: str | None,
-        use: Usage,
-    ) -> bytes:
-        choice = ChatChoice(
-            message=AssistantMessage(content=text),
-            logprobs=self._logprobs(token_ids, logprobs),
-            finish_reason=finish_reason,
+    def _whole_choice(self, text: str, logprobs: Any, finish_reason: str | None) -> ChatChoice:
+        return ChatChoice(
+            message=AssistantMessage(content=text), logprobs=logprobs, finish_reason=finish_reason
         )
-        return msgspec.json.encode(self._envelope(ChatCompletion, [choice], use))

@@ -12,19 +12,9 @@ import pytest
 
 from moriio_ray.engine.tokenizer import ByteTokenizer
 from moriio_ray.errors import CapacityError, PeerLost
+from moriio_ray.runtime.pipeline import StreamEvent
 from moriio_ray.serve.handler import MAX_BODY_BYTES, JSONReply, OpenAIServer, Reply, StreamReply
 from moriio_ray.serve.prepare import Limits
-
-
-@dataclass
-class Event:
-    token_ids: list[int]
-    text: str
-    finished: bool = False
-    finish_reason: str | None = None
-    logprobs: list[float] | None = None
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
 
 
 @dataclass
@@ -48,7 +38,7 @@ class FakePipeline:
     ):
         return (request_id, list(token_ids), params)
 
-    async def stream_request(self, req: Any) -> AsyncIterator[Event]:
+    async def stream_request(self, req: Any) -> AsyncIterator[StreamEvent]:
         request_id, ids, params = req
         out = ids[: params.max_tokens]
         done = False
@@ -62,7 +52,8 @@ class FakePipeline:
                     raise self.fail_after
                 last = i == len(out) - 1
                 done = last
-                yield Event(
+                yield StreamEvent(
+                    request_id=request_id,
                     token_ids=[token],
                     text=bytes([token]).decode(),
                     finished=last,
