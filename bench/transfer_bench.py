@@ -281,14 +281,7 @@ class Bench:
         )
         self.peer_view[:] = self.expect_remote  # restore the peer's bytes for the next point
         for name in (
-            "tcp_read",
-            "tcp_write",
-            "raw_read",
-            "raw_write",
-            "shm_read",
-            "shm_write",
-            "numpy_read",
-            "numpy_write",
+            f"{system}_{op}" for system in ("tcp", "raw", "shm", "numpy") for op in ("read", "write")
         ):
             row[f"{name}_gbps"] = self.total / row[f"{name}_s"] / 1e9
         for mine, base in (("tcp", "raw"), ("shm", "numpy")):
@@ -384,7 +377,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--quick", action="store_true", help="8 MiB per point, 4-64 KiB, 1 rep (a smoke test)"
     )
-    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--reps", type=int, default=9)
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args(argv)
     total = 8 * MiB if args.quick else 256 * MiB
@@ -404,16 +397,7 @@ def main(argv: list[str] | None = None) -> None:
         for size in sizes:
             row = bench.point(size, reps)
             rows.append(row)
-            print(
-                f"  {size // KiB:>5} KiB x {row['num_segments']:>6}: "
-                f"tcp r/w {row['tcp_read_gbps']:.2f}/{row['tcp_write_gbps']:.2f} vs raw "
-                f"{row['raw_read_gbps']:.2f}/{row['raw_write_gbps']:.2f} GB/s "
-                f"({row['tcp_read_ratio']:.2f}x/{row['tcp_write_ratio']:.2f}x) | "
-                f"shm r/w {row['shm_read_gbps']:.2f}/{row['shm_write_gbps']:.2f} vs numpy "
-                f"{row['numpy_read_gbps']:.2f}/{row['numpy_write_gbps']:.2f} GB/s "
-                f"({row['shm_read_ratio']:.2f}x/{row['shm_write_ratio']:.2f}x)",
-                flush=True,
-            )
+            print(f"  {size // KiB:>5} KiB x {row['num_segments']:>6}: {_summary(row)}", flush=True)
     finally:
         bench.close()
     result = {
@@ -421,12 +405,7 @@ def main(argv: list[str] | None = None) -> None:
         "total_bytes_per_point": total,
         "reps": reps,
         "statistic": "median seconds per run, after one warm-up run",
-        "host": {
-            "cpus": _cpus(),
-            "cpu_model": _cpu_model(),
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-        },
+        "host": _host(),
         "contiguous": refs,
         "rows": rows,
         "goal": "at 64 KiB and above: tcp >= 0.8 x raw socket, shm >= 0.8 x numpy copy",
@@ -444,18 +423,28 @@ def main(argv: list[str] | None = None) -> None:
     print(f"wrote {args.out / name}.json and .png; goal met: {result['goal_met']}", flush=True)
 
 
-def _cpu_model() -> str:
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return platform.processor()
-    return next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), "")
+def _summary(row: dict[str, Any]) -> str:
+    """'tcp r/w 2.1/2.0 vs raw 1.9/1.8 GB/s (1.11x/1.11x) | shm ...' for one point."""
+    parts = []
+    for mine, base in (("tcp", "raw"), ("shm", "numpy")):
+        gbps = [f"{row[f'{s}_{op}_gbps']:.2f}" for s in (mine, base) for op in ("read", "write")]
+        ratios = [f"{row[f'{mine}_{op}_ratio']:.2f}x" for op in ("read", "write")]
+        parts.append(
+            f"{mine} r/w {gbps[0]}/{gbps[1]} vs {base} {gbps[2]}/{gbps[3]} GB/s ({'/'.join(ratios)})"
+        )
+    return " | ".join(parts)
 
 
-def _cpus() -> int:
+def _host() -> dict[str, Any]:
     import os
 
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 0)
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        model = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), "")
+    except OSError:
+        model = platform.processor()
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 0)
+    return {"cpus": cpus, "cpu_model": model, "python": platform.python_version(), "torch": torch.__version__}
 
 
 if __name__ == "__main__":

@@ -3,9 +3,10 @@
 ``allocate`` puts the tensor in a shared-memory segment (``shm_segment.py``); ``register`` accepts
 only memory from there. A peer maps the owner's segment on first use and copies from the caller's
 side, segment by segment through memoryviews, so per-segment overhead stays small. The owner's
-header is checked before and after each chunk of a batch: if the owner closed, moved to another
-epoch or died, the transfer fails with ``PeerLost`` (``StaleDescriptor`` for an epoch), never a
-success over bytes copied after the owner was gone.
+header is checked when a batch is issued and between its chunks, and the owner's process once the
+copy is done: if the owner closed, moved to another epoch or died, the transfer fails with
+``PeerLost`` (``StaleDescriptor`` for an epoch), never a success over bytes copied after the owner
+was gone.
 """
 
 from __future__ import annotations
@@ -154,7 +155,7 @@ class ShmAgent(TransferAgent):
         except msgspec.DecodeError:
             raise ConfigError(f"remote_mem: region {remote_mem.mem_id} carries no shm reference") from None
         seg = state.segment(ref.name)
-        seg.check_live(peer.key, remote_mem.epoch)
+        seg.check_live(peer.key, remote_mem.epoch, check_pid=False)  # the process: after the copy
         remote = _remote_view(seg, ref, remote_mem, remote_offsets, sizes)
         local_view = local.detach().reshape(-1).view(torch.uint8).numpy().data
         src, dst = (remote, local_view) if op == "read" else (local_view, remote)
