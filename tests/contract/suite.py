@@ -316,6 +316,27 @@ class ContractSuite:
                 remote[i * chunk : (i + 1) * chunk], pattern(3, 16 * MiB)[i * chunk : (i + 1) * chunk]
             )
 
+    @pytest.mark.timeout(60)
+    def test_one_peer_serves_several_clients_at_once(self, harness: Harness) -> None:
+        peer = harness.make_agent("prefill-0")
+        _, peer_mem = harness.region(peer, 8 * MiB, seed=4)
+        clients = [harness.make_agent(f"decode-{i}") for i in range(3)]
+        regions = [harness.region(c, 8 * MiB) for c in clients]
+        for c in clients:
+            c.connect(peer.engine_desc())
+        sz = np.full(128, 64 * KiB, dtype=np.int64)
+        order = [np.random.default_rng(i).permutation(128).astype(np.int64) * 64 * KiB for i in range(3)]
+        lo = np.arange(128, dtype=np.int64) * 64 * KiB
+        xs = [
+            c.read(m, peer_mem, lo, order[i], sz)
+            for i, (c, (_, m)) in enumerate(zip(clients, regions, strict=True))
+        ]
+        for x in xs:
+            x.wait(WAIT_S)
+        rows = pattern(4, 8 * MiB).reshape(128, 64 * KiB)
+        for i, (t, _) in enumerate(regions):
+            assert np.array_equal(host(t).reshape(128, 64 * KiB), rows[order[i] // (64 * KiB)])
+
 
 def segments(size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One segment at offset 0 on both sides."""
