@@ -1,1 +1,1 @@
-"""Benchmarks: each writes JSON and a PNG into bench/results/ (see each module\x27s docstring)."""
+"""Benchmarks: each writes JSON and a PNG into bench/results/ (see the docstring of each module)."""
