@@ -269,6 +269,7 @@ def test_backpressure_429_beyond_max_ongoing_requests(server: ServeProcess) -> N
                 if r.status_code == 200:
                     async for line in r.aiter_lines():  # hold the stream open past its first token
                         if line.startswith("data: {"):
+                            assert '"error"' not in line, line  # an error would end the stream early
                             break
                 else:
                     error = json.loads(await r.aread())["error"]
@@ -284,7 +285,8 @@ def test_backpressure_429_beyond_max_ongoing_requests(server: ServeProcess) -> N
         return statuses
 
     statuses = asyncio.run(run())
-    assert sorted(set(statuses)) == [200, 429]
+    status, stats = server.get("/stats")
+    assert sorted(set(statuses)) == [200, 429], stats
     assert statuses.count(200) == limit and statuses.count(429) == extra
     assert _quiet(_wait_quiet(server, 30.0)), "the held streams' blocks were not freed"
 
