@@ -285,7 +285,7 @@ def test_backpressure_429_beyond_max_ongoing_requests(server: ServeProcess) -> N
         return statuses
 
     statuses = asyncio.run(run())
-    status, stats = server.get("/stats")
+    _, stats = server.get("/stats")
     assert sorted(set(statuses)) == [200, 429], stats
     assert statuses.count(200) == limit and statuses.count(429) == extra
     assert _quiet(_wait_quiet(server, 30.0)), "the held streams' blocks were not freed"
