@@ -131,23 +131,34 @@ class Flows:
                 p.actor.release.remote(handle.transfer_id)
 
     async def _prefill(self, req: GenRequest, state: FlowState) -> tuple[KVHandle, Member]:
-        tried = state.dead
+        def pick() -> Member:
+            return self.router.pick("prefill", exclude=state.dead)
+
+        handle: KVHandle
+        handle, p = await self._on_prefill_worker(
+            req, state, pick, lambda p: p.actor.prefill.remote(req), "prefill"
+        )
+        return handle, p
+
+    async def _on_prefill_worker(
+        self, req: GenRequest, state: FlowState, pick: Any, call: Any, what: str
+    ) -> tuple[Any, Member]:
+        """Run ``call(P)`` on a P from ``pick()``; if P dies, once more on another (failure rule)."""
         for attempt in range(self.config.runtime.prefill_retries + 1):
-            p = self.router.pick("prefill", exclude=tried)
+            p = pick()
             state.prefill_key = p.key
             cost = len(req.prompt_token_ids)
             self.router.acquire(p, cost)
-            ref = p.actor.prefill.remote(req)
+            ref = call(p)
             try:
-                handle: KVHandle = await deadline(ref, self.timeout_s, f"prefill on {p.key}")
-                return handle, p
+                return await deadline(ref, self.timeout_s, f"{what} on {p.key}"), p
             except ray.exceptions.RayActorError:
                 self._dead(p)
-                tried.add(p.key)
+                state.dead.add(p.key)
                 if attempt >= self.config.runtime.prefill_retries:
                     raise
                 self.counters["prefill_retries"] += 1
-                log.warning("prefill of %s: %s died, retrying on another P", req.request_id, p.key)
+                log.warning("%s of %s: %s died, retrying on another P", what, req.request_id, p.key)
             except BaseException:
                 ray.cancel(ref)  # cancelled or timed out: P aborts the request and frees its blocks
                 raise
@@ -185,25 +196,14 @@ class Flows:
     async def _push(
         self, req: GenRequest, d: Member, res: Any, state: FlowState
     ) -> tuple[PushResult, Member]:
-        tried = state.dead
-        for attempt in range(self.config.runtime.prefill_retries + 1):
-            p = self.router.pick_prefill_for(d, exclude=tried)
-            state.prefill_key = p.key
-            ref = p.actor.prefill_push.remote(req, res)
-            try:
-                push: PushResult = await deadline(ref, self.timeout_s, f"prefill_push on {p.key}")
-                return push, p
-            except ray.exceptions.RayActorError:
-                self._dead(p)
-                tried.add(p.key)
-                if attempt >= self.config.runtime.prefill_retries:
-                    raise
-                self.counters["prefill_retries"] += 1
-                log.warning("prefill_push of %s: %s died, retrying on another P", req.request_id, p.key)
-            except BaseException:
-                ray.cancel(ref)
-                raise
-        raise AssertionError("unreachable")
+        def pick() -> Member:
+            return self.router.pick_prefill_for(d, exclude=state.dead)
+
+        push: PushResult
+        push, p = await self._on_prefill_worker(
+            req, state, pick, lambda p: p.actor.prefill_push.remote(req, res), "prefill_push"
+        )
+        return push, p
 
     # -- streaming ------------------------------------------------------------------------------
 
