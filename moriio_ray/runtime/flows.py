@@ -12,8 +12,9 @@ releases P's blocks at once.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -54,7 +55,7 @@ class Flows:
     def _dead(self, member: Member) -> None:
         self.coordinator.report_failure.remote(member.key, member.epoch)
 
-    async def run(self, req: GenRequest, state: FlowState) -> AsyncIterator[TokenChunk]:
+    async def run(self, req: GenRequest, state: FlowState) -> AsyncGenerator[TokenChunk, None]:
         """Stream the request's chunks; the first chunk holds the first token."""
         mode = self.config.mode
         budget = req.params.max_tokens
@@ -67,9 +68,10 @@ class Flows:
                     gen = self._write(attempt, state)
                 else:
                     gen = self._read(attempt, state)
-                async for chunk in gen:
-                    state.emitted.extend(chunk.token_ids)
-                    yield chunk
+                async with contextlib.aclosing(gen) as chunks:
+                    async for chunk in chunks:
+                        state.emitted.extend(chunk.token_ids)
+                        yield chunk
                 return
             except ray.exceptions.RayActorError as exc:
                 # The decode side died mid-stream (prefill deaths are retried inside the flows).
@@ -90,27 +92,30 @@ class Flows:
 
     # -- colocated ------------------------------------------------------------------------------
 
-    async def _colocated(self, req: GenRequest, state: FlowState) -> AsyncIterator[TokenChunk]:
+    async def _colocated(self, req: GenRequest, state: FlowState) -> AsyncGenerator[TokenChunk, None]:
         worker = self.router.pick("colocated", exclude=state.dead)
         cost = len(req.prompt_token_ids) + req.params.max_tokens
         self.router.acquire(worker, cost)
         state.decode_key = worker.key
         try:
-            async for chunk in self._stream(worker, worker.actor.generate.remote(req), state):
-                yield chunk
+            stream = self._stream(worker, worker.actor.generate.remote(req), state)
+            async with contextlib.aclosing(stream) as chunks:
+                async for chunk in chunks:
+                    yield chunk
         finally:
             self.router.release(worker, cost)
 
     # -- READ -----------------------------------------------------------------------------------
 
-    async def _read(self, req: GenRequest, state: FlowState) -> AsyncIterator[TokenChunk]:
+    async def _read(self, req: GenRequest, state: FlowState) -> AsyncGenerator[TokenChunk, None]:
         handle, p = await self._prefill(req, state)
         state.timings["prefill_s"] = handle.prefill_s
         released = False
         d: Member | None = None
+        gen = None
+        done = False
         cost = req.params.max_tokens
         try:
-            gen = None
             if not handle.finished:
                 # Call D before handing the first token up: the caller may be slow (an HTTP write).
                 d = self.router.pick_decode_for(p, exclude=state.dead)
@@ -118,15 +123,18 @@ class Flows:
                 self.router.acquire(d, cost)
                 gen = d.actor.decode.remote(req, handle)
             yield _first_chunk(handle.first_token, handle.first_logprob, handle.finish_reason)
-            if d is None or gen is None:
-                return
-            async for chunk in self._stream(d, gen, state):
-                released = True  # D released the lease once it had read
-                _handoff(state, chunk, handle.prefill_done_unix)
-                yield chunk
+            if d is not None and gen is not None:
+                async with contextlib.aclosing(self._stream(d, gen, state)) as chunks:
+                    async for chunk in chunks:
+                        released = True  # D released the lease once it had read
+                        _handoff(state, chunk, handle.prefill_done_unix)
+                        yield chunk
+            done = True
         finally:
             if d is not None:
                 self.router.release(d, cost)
+            if gen is not None and not done:
+                ray.cancel(gen)  # stopped before D's stream was read to its end
             if not released:  # finished at P, cancelled or failed before D read: free P's blocks now
                 p.actor.release.remote(handle.transfer_id)
 
@@ -160,7 +168,10 @@ class Flows:
                 self.counters["prefill_retries"] += 1
                 log.warning("%s of %s: %s died, retrying on another P", what, req.request_id, p.key)
             except BaseException:
-                ray.cancel(ref)  # cancelled or timed out: P aborts the request and frees its blocks
+                # Cancelled or timed out: stop P's task, and tell P to free the request's blocks
+                # in case the task had already finished (its handle then reaches nobody).
+                ray.cancel(ref)
+                p.actor.abort.remote(req.request_id)
                 raise
             finally:
                 self.router.release(p, cost)
@@ -168,29 +179,33 @@ class Flows:
 
     # -- WRITE ----------------------------------------------------------------------------------
 
-    async def _write(self, req: GenRequest, state: FlowState) -> AsyncIterator[TokenChunk]:
+    async def _write(self, req: GenRequest, state: FlowState) -> AsyncGenerator[TokenChunk, None]:
         d = self.router.pick("decode", exclude=state.dead)
         state.decode_key = d.key
         cost = req.params.max_tokens + len(req.prompt_token_ids)
         self.router.acquire(d, cost)
-        reserved = True
+        gen = None
+        done = False
         try:
             res = await deadline(d.actor.reserve.remote(req), self.timeout_s, f"reserve on {d.key}")
             push, _p = await self._push(req, d, res, state)
             state.timings["prefill_s"] = push.prefill_s
-            gen = None
             if not push.finished:
-                reserved = False  # D.decode takes the reservation over
                 gen = d.actor.decode.remote(req, push)  # before the first token goes up
             yield _first_chunk(push.first_token, push.first_logprob, push.finish_reason)
-            if gen is None:
-                return
-            async for chunk in self._stream(d, gen, state):
-                _handoff(state, chunk, push.prefill_done_unix)
-                yield chunk
+            if gen is not None:
+                async with contextlib.aclosing(self._stream(d, gen, state)) as chunks:
+                    async for chunk in chunks:
+                        _handoff(state, chunk, push.prefill_done_unix)
+                        yield chunk
+            done = True
         finally:
             self.router.release(d, cost)
-            if reserved:
+            if not done:
+                # Stopped early: D's decode may not have started (a cancelled task never runs, and
+                # would leave the reservation to its expiry), so cancel the reservation as well.
+                if gen is not None:
+                    ray.cancel(gen)
                 d.actor.cancel_reservation.remote(req.request_id)
 
     async def _push(
@@ -207,7 +222,7 @@ class Flows:
 
     # -- streaming ------------------------------------------------------------------------------
 
-    async def _stream(self, worker: Member, gen: Any, state: FlowState) -> AsyncIterator[TokenChunk]:
+    async def _stream(self, worker: Member, gen: Any, state: FlowState) -> AsyncGenerator[TokenChunk, None]:
         """Iterate a worker's streaming generator with a deadline per chunk; cancel it if we stop early."""
         finished = False
         try:

@@ -13,6 +13,7 @@ already runs an event loop (Serve); the sync forms run on a private loop thread.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import time
@@ -198,37 +199,39 @@ class PDPipeline:
         last_s = t0
         mode = self.config.mode
         n_out = 0
-        async for chunk in self.flows.run(req, state):
-            now = time.perf_counter()
-            if n_out == 0:
-                state.timings["ttft_s"] = now - t0
-                metrics.record_ttft(now - t0, mode=mode)
-            elif chunk.token_ids:
-                metrics.record_itl((now - last_s) / len(chunk.token_ids), mode=mode)
-            last_s = now
-            n_out += len(chunk.token_ids)
-            delta = text.add(chunk.token_ids, final=chunk.finished)
-            if chunk.finished:
-                state.timings["total_s"] = now - t0
-                if "handoff_s" in state.timings:
-                    metrics.record_handoff(
-                        state.timings["handoff_s"], backend=self.config.transfer.backend, mode=mode
-                    )
-            yield StreamEvent(
-                request_id=req.request_id,
-                token_ids=chunk.token_ids,
-                text=delta,
-                finished=chunk.finished,
-                finish_reason=chunk.finish_reason,
-                logprobs=chunk.logprobs,
-                num_prompt_tokens=len(req.prompt_token_ids),
-                num_output_tokens=n_out,
-                timings=dict(state.timings) if chunk.finished else None,
-                prefill_worker=state.prefill_key,
-                decode_worker=state.decode_key,
-            )
-            if chunk.finished:
-                return
+        # aclosing: closing this stream closes the flow at once (cancels the workers' streams).
+        async with contextlib.aclosing(self.flows.run(req, state)) as chunks:
+            async for chunk in chunks:
+                now = time.perf_counter()
+                if n_out == 0:
+                    state.timings["ttft_s"] = now - t0
+                    metrics.record_ttft(now - t0, mode=mode)
+                elif chunk.token_ids:
+                    metrics.record_itl((now - last_s) / len(chunk.token_ids), mode=mode)
+                last_s = now
+                n_out += len(chunk.token_ids)
+                delta = text.add(chunk.token_ids, final=chunk.finished)
+                if chunk.finished:
+                    state.timings["total_s"] = now - t0
+                    if "handoff_s" in state.timings:
+                        metrics.record_handoff(
+                            state.timings["handoff_s"], backend=self.config.transfer.backend, mode=mode
+                        )
+                yield StreamEvent(
+                    request_id=req.request_id,
+                    token_ids=chunk.token_ids,
+                    text=delta,
+                    finished=chunk.finished,
+                    finish_reason=chunk.finish_reason,
+                    logprobs=chunk.logprobs,
+                    num_prompt_tokens=len(req.prompt_token_ids),
+                    num_output_tokens=n_out,
+                    timings=dict(state.timings) if chunk.finished else None,
+                    prefill_worker=state.prefill_key,
+                    decode_worker=state.decode_key,
+                )
+                if chunk.finished:
+                    return
 
     async def generate_async(
         self,

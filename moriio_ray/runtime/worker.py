@@ -15,7 +15,7 @@ from typing import Any
 from moriio_ray import metrics
 from moriio_ray.config import PipelineConfig
 from moriio_ray.engine.engine import Engine
-from moriio_ray.errors import ConfigError, DeadlineExceeded, TransferError
+from moriio_ray.errors import ConfigError, DeadlineExceeded, RequestCancelled, TransferError
 from moriio_ray.runtime.engine_loop import EngineLoop
 from moriio_ray.runtime.kv_pull import KVPuller
 from moriio_ray.runtime.messages import (
@@ -79,6 +79,7 @@ class EngineWorker:
         self._pushers: dict[str, LayerPusher] = {}
         self._reservations: dict[str, Reservation] = {}
         self._quarantined: set[str] = set()
+        self._cancelled: dict[str, float] = {}  # request id -> when a cancel arrived
         self._background: set[asyncio.Future[None]] = set()
         self._closed = False
         self.counters: dict[str, float] = {
@@ -172,6 +173,9 @@ class EngineWorker:
             )
             async for chunk in stream_outputs(q, self.config.runtime.remote_timeout_s):
                 yield chunk
+        except (asyncio.CancelledError, GeneratorExit):
+            self.counters["cancelled"] += 1
+            raise
         finally:
             self._finish(req.request_id)
 
@@ -187,6 +191,7 @@ class EngineWorker:
                 lambda: self.engine.add_request(req.request_id, req.prompt_token_ids, req.params)
             )
             out, prefill_s = await wait_prefill(q, self.config.runtime.remote_timeout_s)
+            self._check_not_cancelled(req.request_id)
             assert out.prefill is not None
             pre = out.prefill
             handle = KVHandle(
@@ -207,6 +212,9 @@ class EngineWorker:
             )
             ok = True
             return handle
+        except asyncio.CancelledError:
+            self.counters["cancelled"] += 1
+            raise
         finally:
             self.loop.unsubscribe(req.request_id)
             if not ok:  # cancelled or failed: free the blocks (and any lease) at once
@@ -255,6 +263,9 @@ class EngineWorker:
                 if chunk.timings is None and timings:
                     chunk.timings, timings = dict(timings), {}
                 yield chunk
+        except (asyncio.CancelledError, GeneratorExit):
+            self.counters["cancelled"] += 1
+            raise
         finally:
             self._finish(rid)
             if rid != req.request_id:
@@ -266,6 +277,11 @@ class EngineWorker:
         """Reserve blocks for a prompt that P will push into."""
         deadline_s = time.monotonic() + self.config.runtime.remote_timeout_s
         blocks = await reserve_blocks(self, req, deadline_s)
+        try:
+            self._check_not_cancelled(req.request_id)
+        except RequestCancelled:
+            self.loop.post(lambda: self.engine.abort(req.request_id))
+            raise
         res = Reservation(
             request_id=req.request_id,
             engine_key=self.key,
@@ -282,6 +298,8 @@ class EngineWorker:
         return res
 
     async def cancel_reservation(self, request_id: str) -> bool:
+        """Free a reservation; one still being made is freed as soon as it is (no race)."""
+        self._mark_cancelled(request_id)
         if self._reservations.pop(request_id, None) is None:
             return False
         await self.loop.call(lambda: self.engine.abort(request_id))
@@ -351,9 +369,22 @@ class EngineWorker:
     # -- shared ---------------------------------------------------------------------------------
 
     async def abort(self, request_id: str) -> None:
-        """Cancel a request on this worker: free its blocks and lease at once."""
+        """Cancel a request on this worker: free its blocks and lease at once, also if its prefill
+        or reservation is still under way (it is then freed when it completes)."""
+        self._mark_cancelled(request_id)
         self._reservations.pop(request_id, None)
         await self.loop.call(lambda: self.engine.abort(request_id))
+
+    def _mark_cancelled(self, request_id: str) -> None:
+        now = time.monotonic()
+        self._cancelled[request_id] = now
+        if len(self._cancelled) > 1024:  # forget old marks; a request id is used once
+            horizon = now - self.config.runtime.remote_timeout_s
+            self._cancelled = {k: t for k, t in self._cancelled.items() if t > horizon}
+
+    def _check_not_cancelled(self, request_id: str) -> None:
+        if self._cancelled.pop(request_id, None) is not None:
+            raise RequestCancelled(f"request {request_id} was cancelled on {self.key}")
 
     def _finish(self, request_id: str) -> None:
         """Always called when a request's stream ends: idempotent abort frees anything left."""
