@@ -22,6 +22,7 @@ from moriio_ray.errors import (
     StaleDescriptor,
     TransferError,
 )
+from moriio_ray.transfer import netinfo
 from moriio_ray.transfer.desc import (
     SCHEMA_VERSION,
     EngineDesc,
@@ -190,6 +191,7 @@ class TransferAgent(abc.ABC):
             pid=self._pid(),
             epoch=self.epoch,
             node_id=self._node_id(),
+            machine_id=netinfo.machine_id(),
             backend_data=self._engine_backend_data(),
         )
 
@@ -205,7 +207,7 @@ class TransferAgent(abc.ABC):
                 f"peer {desc.key!r} uses backend {desc.backend!r}, this agent {self.name!r}; "
                 "set the same transfer.backend on every engine"
             )
-        if self.same_host_only and desc.host != self._host():
+        if self.same_host_only and not self._same_machine(desc):
             raise IncompatiblePeer(
                 f"peer {desc.key!r} is on host {desc.host}, and backend {self.name!r} reaches only "
                 f"this host ({self._host()}); use tcp or mori across hosts"
@@ -296,6 +298,11 @@ class TransferAgent(abc.ABC):
                 f"{remote_mem.epoch}, the connected peer is epoch {peer.epoch}"
             )
         return peer
+
+    def _same_machine(self, desc: EngineDesc) -> bool:
+        if desc.machine_id:
+            return desc.machine_id == netinfo.machine_id()
+        return desc.host == self._host()
 
     def inject_delay(self, delay_s: float) -> None:
         """Test hook: every later transfer reports completion only ``delay_s`` after it was issued."""

@@ -34,6 +34,7 @@ class EngineDesc(msgspec.Struct, **_DESC):  # type: ignore[call-arg]
     pid: int
     epoch: int
     node_id: str = ""
+    machine_id: str = ""  # host name + boot id: what same-host backends compare
     backend_data: bytes = b""  # backend-specific: tcp address, packed mori EngineDesc
     schema_version: int = SCHEMA_VERSION
 

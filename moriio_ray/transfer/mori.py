@@ -122,7 +122,7 @@ class MoriAgent(TransferAgent):
                 f"peer {desc.key!r} runs MoRI backend {info.kind!r}, this agent {mine!r}; "
                 "set the same transfer.mori.backend on every engine"
             )
-        if mine == "xgmi" and desc.host != self._host():
+        if mine == "xgmi" and not self._same_machine(desc):
             raise IncompatiblePeer(
                 f"peer {desc.key!r} is on host {desc.host}, and MoRI xgmi reaches only GPUs of this host "
                 f"({self._host()}); use transfer.mori.backend: rdma across hosts"

@@ -34,3 +34,18 @@ def node_id() -> str:
 @lru_cache(maxsize=1)
 def _hostname() -> str:
     return socket.gethostname()
+
+
+@lru_cache(maxsize=1)
+def machine_id() -> str:
+    """This machine's identity, the same inside and outside Ray: host name plus boot id.
+
+    Same-host backends compare it (an IP differs between a Ray process, which reports the node IP,
+    and a plain process, which reports loopback, on the very same machine).
+    """
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{_hostname()}/{boot}"

@@ -257,37 +257,51 @@ def test_disconnect_mid_stream_frees_the_blocks(server: ServeProcess) -> None:
 
 @pytest.mark.timeout(120)
 def test_backpressure_429_beyond_max_ongoing_requests(server: ServeProcess) -> None:
+    """64 streams held open fill the replica; the next 8 requests get 429 at once."""
     limit, extra = 64, 8  # serve.max_ongoing_requests in configs/tiny_1p1d_cpu.yaml
-    body = {"model": MODEL, "prompt": "q" * 20, "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    prompt = "q" * 20
+    # As long as the context allows, so that no held stream can finish while the test runs.
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": MAX_MODEL_LEN - 64, "ignore_eos": True}
 
-    async def run() -> list[int]:
-        statuses: list[int] = []
-        all_answered = asyncio.Event()
+    async def run() -> tuple[list[int], list[int]]:
+        held: list[int] = []
+        all_held = asyncio.Event()
+        release = asyncio.Event()
 
-        async def one(http: httpx.AsyncClient) -> None:
-            async with http.stream("POST", server.base_url + "/v1/completions", json=body) as r:
+        async def hold(http: httpx.AsyncClient) -> None:
+            async with http.stream(
+                "POST", server.base_url + "/v1/completions", json={**body, "stream": True}
+            ) as r:
                 if r.status_code == 200:
                     async for line in r.aiter_lines():  # hold the stream open past its first token
                         if line.startswith("data: {"):
                             assert '"error"' not in line, line  # an error would end the stream early
                             break
-                else:
-                    error = json.loads(await r.aread())["error"]
-                    assert error["type"] == "rate_limit_error" and error["message"]
-                statuses.append(r.status_code)
-                if len(statuses) == limit + extra:
-                    all_answered.set()
-                await all_answered.wait()  # every stream stays open until all have an answer
+                held.append(r.status_code)
+                if len(held) == limit:
+                    all_held.set()
+                await release.wait()
+
+        async def extra_one(http: httpx.AsyncClient) -> int:
+            r = await http.post(server.base_url + "/v1/completions", json=body)
+            if r.status_code == 429:
+                error = r.json()["error"]
+                assert error["type"] == "rate_limit_error" and error["message"]
+            return r.status_code
 
         limits = httpx.Limits(max_connections=limit + extra)
         async with httpx.AsyncClient(timeout=60, limits=limits) as http:
-            await asyncio.wait_for(asyncio.gather(*(one(http) for _ in range(limit + extra))), 90)
-        return statuses
+            holders = [asyncio.ensure_future(hold(http)) for _ in range(limit)]
+            await asyncio.wait_for(all_held.wait(), 90)
+            extras = await asyncio.gather(*(extra_one(http) for _ in range(extra)))
+            release.set()
+            await asyncio.gather(*holders)
+        return held, list(extras)
 
-    statuses = asyncio.run(run())
+    held, extras = asyncio.run(run())
     _, stats = server.get("/stats")
-    assert sorted(set(statuses)) == [200, 429], stats
-    assert statuses.count(200) == limit and statuses.count(429) == extra
+    assert held == [200] * limit, stats
+    assert extras == [429] * extra, stats
     assert _quiet(_wait_quiet(server, 30.0)), "the held streams' blocks were not freed"
 
 
