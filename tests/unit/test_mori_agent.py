@@ -154,7 +154,9 @@ def test_rdma_reaches_other_hosts_xgmi_does_not(fabric):
     d.connect(msgspec.structs.replace(p.engine_desc(), host="10.9.8.7"))
     px, dx = fake_mori.make_agent("px", backend="xgmi"), fake_mori.make_agent("dx", backend="xgmi")
     dx.connect(px.engine_desc())  # same host: fine
-    far = msgspec.structs.replace(px.engine_desc(), key="px-far", host="10.9.8.7")
+    far = msgspec.structs.replace(
+        px.engine_desc(), key="px-far", host="10.9.8.7", machine_id="other-host/boot"
+    )
     with pytest.raises(IncompatiblePeer, match=r"xgmi reaches only GPUs of this host.*rdma across hosts"):
         dx.connect(far)
     assert "px-far" not in dx.peers()
