@@ -56,6 +56,14 @@ class EngineWorker:
         self.epoch = epoch
         self.coordinator = coordinator
         _prepare_device(config, self.role)
+        if config.transfer.backend == "shm":
+            # A worker killed with SIGKILL leaves its segments behind; its replacement (same node)
+            # removes every segment whose owner process is gone.
+            from moriio_ray.transfer.shm_segment import sweep_stale_segments
+
+            swept = sweep_stale_segments()
+            if swept:
+                log.warning("removed %d shared-memory segments of dead workers", len(swept))
         self.agent = create_agent(config.transfer, key, epoch=epoch, token=token)
         self.engine = Engine(
             config.model,

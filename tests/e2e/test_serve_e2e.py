@@ -272,8 +272,11 @@ def test_backpressure_429_beyond_max_ongoing_requests(server: ServeProcess) -> N
             async with http.stream(
                 "POST", server.base_url + "/v1/completions", json={**body, "stream": True}
             ) as r:
+                # Keep a reference to the line iterator: a dropped one is finalised, which closes the
+                # response, and the server would rightly see a disconnect and free the slot.
+                lines = r.aiter_lines()
                 if r.status_code == 200:
-                    async for line in r.aiter_lines():  # hold the stream open past its first token
+                    async for line in lines:  # hold the stream open past its first token
                         if line.startswith("data: {"):
                             assert '"error"' not in line, line  # an error would end the stream early
                             break
@@ -281,6 +284,7 @@ def test_backpressure_429_beyond_max_ongoing_requests(server: ServeProcess) -> N
                 if len(held) == limit:
                     all_held.set()
                 await release.wait()
+                del lines
 
         async def extra_one(http: httpx.AsyncClient) -> int:
             r = await http.post(server.base_url + "/v1/completions", json=body)

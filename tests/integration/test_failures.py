@@ -12,6 +12,7 @@ import ray
 
 from moriio_ray import PDPipeline, SamplingParams
 from moriio_ray.errors import PeerLost, TransferTimeout
+from moriio_ray.transfer.shm_segment import PREFIX, SHM_DIR
 from tests.integration.helpers import assert_no_leaks, tiny_config, varied_prompts, wait_until
 
 pytestmark = pytest.mark.usefixtures("ray_cpu")
@@ -69,7 +70,8 @@ def test_decode_worker_killed_mid_stream(mode: str, on_failure: str) -> None:
     )
     victim = f"{name}-decode-0"
     try:
-        actor = _member(pipe, victim).actor
+        member = _member(pipe, victim)
+        actor, victim_pid = member.actor, ray.get(member.info_ref).pid
         out = pipe._sync(_run_until(pipe, LONG, 8, 5, lambda: ray.kill(actor, no_restart=True)))
         on_victim = [s for s in out["seen"].values() if victim in s["decode"]]
         others = [s for s in out["seen"].values() if victim not in s["decode"]]
@@ -84,6 +86,8 @@ def test_decode_worker_killed_mid_stream(mode: str, on_failure: str) -> None:
                 assert s["error"] is None and len(s["tokens"]) == 120
         # The coordinator replaces the dead worker at a new epoch, and the replacement serves.
         wait_until(lambda: _epoch(pipe, victim) == 2, 30, "a replacement decode worker")
+        # The SIGKILLed worker's shared memory is swept by its replacement.
+        assert not list(SHM_DIR.glob(f"{PREFIX}{victim_pid}-*"))
         wait_until(
             lambda: (
                 pipe.router.membership.find(victim) is not None
