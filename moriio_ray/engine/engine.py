@@ -275,6 +275,11 @@ class Engine:
             first_logprob=first_logprob,
         )
 
+    @property
+    def lock(self) -> threading.RLock:
+        """The lock every public method holds; a caller may try it to run a call without waiting."""
+        return self._lock
+
     def has_work(self) -> bool:
         """Whether ``step`` has anything to do: outputs to hand out, or a batch to run.
 

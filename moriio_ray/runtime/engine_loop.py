@@ -50,6 +50,19 @@ class EngineLoop:
         self._calls.put((fn, fut))
         return await fut
 
+    async def call_now(self, fn: Callable[[], T]) -> T:
+        """Like ``call``, but run ``fn`` right here when the engine is between steps (its lock is
+        free): a short call then costs no thread hop. The engine thread is woken afterwards, in
+        case ``fn`` gave it work."""
+        lock = self.engine.lock
+        if not self._stop.is_set() and lock.acquire(blocking=False):
+            try:
+                return fn()
+            finally:
+                lock.release()
+                self._calls.put(None)
+        return await self.call(fn)
+
     def subscribe(self, request_id: str) -> asyncio.Queue[StepOutput | BaseException]:
         """A queue of the request's step outputs (an exception instead if the engine loop fails)."""
         q: asyncio.Queue[StepOutput | BaseException] = asyncio.Queue()

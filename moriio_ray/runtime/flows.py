@@ -1,7 +1,9 @@
 """The request flows, driven from the caller's side (a driver or the Serve ingress).
 
-READ:  P.prefill -> first token -> D.decode(handle) streams (D reads, then releases P's lease).
-WRITE: D.reserve -> P.prefill_push(reservation) -> first token -> D.decode(push result) streams.
+READ:  P.prefill(req, D) and D.decode(req) start together; P hands its KVHandle straight to D
+       (D.deliver), D reads once and releases P's lease; the caller's copy gives the first token.
+WRITE: D.reserve, then P.prefill_push(req, reservation, D) and D.decode(req); P pushes each layer
+       into D's blocks and hands its PushResult straight to D.
 COLOCATED: C.generate streams.
 
 Failure rules (DESIGN section 6): every remote await has a deadline; a prefill whose P dies is
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -108,56 +110,67 @@ class Flows:
     # -- READ -----------------------------------------------------------------------------------
 
     async def _read(self, req: GenRequest, state: FlowState) -> AsyncGenerator[TokenChunk, None]:
-        handle, p = await self._prefill(req, state)
-        state.timings["prefill_s"] = handle.prefill_s
-        released = False
-        d: Member | None = None
-        gen = None
-        done = False
+        # D's decode starts together with P's prefill and waits for P to hand it the KVHandle
+        # directly (P -> D, one Ray call); the caller's own copy of the handle gives the first token.
+        p0 = self.router.pick("prefill", exclude=state.dead)
+        d = self.router.pick_decode_for(p0, exclude=state.dead)
+        state.decode_key = d.key
         cost = req.params.max_tokens
+        self.router.acquire(d, cost)
+        gens: list[Any] = []
+        released = False
+        done = False
+        handle: KVHandle | None = None
+        p: Member | None = None
+
+        def start_decode() -> None:
+            if not gens:
+                gens.append(d.actor.decode.remote(req, None))
+
         try:
-            if not handle.finished:
-                # Call D before handing the first token up: the caller may be slow (an HTTP write).
-                d = self.router.pick_decode_for(p, exclude=state.dead)
-                state.decode_key = d.key
-                self.router.acquire(d, cost)
-                gen = d.actor.decode.remote(req, handle)
+            handle, p = await self._on_prefill_worker(
+                req,
+                state,
+                lambda attempt: p0 if attempt == 0 else self.router.pick_prefill_for(d, exclude=state.dead),
+                lambda p: p.actor.prefill.remote(req, d.actor),
+                "prefill",
+                on_submit=start_decode,
+            )
+            state.timings["prefill_s"] = handle.prefill_s
             yield _first_chunk(handle.first_token, handle.first_logprob, handle.finish_reason)
-            if d is not None and gen is not None:
-                async with contextlib.aclosing(self._stream(d, gen, state)) as chunks:
+            if not handle.finished:
+                async with contextlib.aclosing(self._stream(d, gens[0], state)) as chunks:
                     async for chunk in chunks:
                         released = True  # D released the lease once it had read
                         _handoff(state, chunk, handle.prefill_done_unix)
                         yield chunk
             done = True
         finally:
-            if d is not None:
-                self.router.release(d, cost)
-            if gen is not None and not done:
-                ray.cancel(gen)  # stopped before D's stream was read to its end
-            if not released:  # finished at P, cancelled or failed before D read: free P's blocks now
+            self.router.release(d, cost)
+            if gens and not done:
+                ray.cancel(gens[0])  # stopped before D's stream was read to its end
+            if handle is not None and p is not None and not released:
+                # finished at P, cancelled or failed before D read: free P's blocks now
                 p.actor.release.remote(handle.transfer_id)
 
-    async def _prefill(self, req: GenRequest, state: FlowState) -> tuple[KVHandle, Member]:
-        def pick() -> Member:
-            return self.router.pick("prefill", exclude=state.dead)
-
-        handle: KVHandle
-        handle, p = await self._on_prefill_worker(
-            req, state, pick, lambda p: p.actor.prefill.remote(req), "prefill"
-        )
-        return handle, p
-
     async def _on_prefill_worker(
-        self, req: GenRequest, state: FlowState, pick: Any, call: Any, what: str
+        self,
+        req: GenRequest,
+        state: FlowState,
+        pick: Callable[[int], Member],
+        call: Callable[[Member], Any],
+        what: str,
+        on_submit: Callable[[], None] | None = None,
     ) -> tuple[Any, Member]:
-        """Run ``call(P)`` on a P from ``pick()``; if P dies, once more on another (failure rule)."""
+        """Run ``call(P)`` on ``pick(attempt)``; if P dies, once more on another (failure rule)."""
         for attempt in range(self.config.runtime.prefill_retries + 1):
-            p = pick()
+            p = pick(attempt)
             state.prefill_key = p.key
             cost = len(req.prompt_token_ids)
             self.router.acquire(p, cost)
             ref = call(p)
+            if on_submit is not None:
+                on_submit()
             try:
                 return await deadline(ref, self.timeout_s, f"{what} on {p.key}"), p
             except ray.exceptions.RayActorError:
@@ -184,17 +197,28 @@ class Flows:
         state.decode_key = d.key
         cost = req.params.max_tokens + len(req.prompt_token_ids)
         self.router.acquire(d, cost)
-        gen = None
+        gens: list[Any] = []
         done = False
+
+        def start_decode() -> None:  # D waits for P to hand it the PushResult directly
+            if not gens:
+                gens.append(d.actor.decode.remote(req, None))
+
         try:
             res = await deadline(d.actor.reserve.remote(req), self.timeout_s, f"reserve on {d.key}")
-            push, _p = await self._push(req, d, res, state)
+            push: PushResult
+            push, _p = await self._on_prefill_worker(
+                req,
+                state,
+                lambda _attempt: self.router.pick_prefill_for(d, exclude=state.dead),
+                lambda p: p.actor.prefill_push.remote(req, res, d.actor),
+                "prefill_push",
+                on_submit=start_decode,
+            )
             state.timings["prefill_s"] = push.prefill_s
-            if not push.finished:
-                gen = d.actor.decode.remote(req, push)  # before the first token goes up
             yield _first_chunk(push.first_token, push.first_logprob, push.finish_reason)
-            if gen is not None:
-                async with contextlib.aclosing(self._stream(d, gen, state)) as chunks:
+            if not push.finished:
+                async with contextlib.aclosing(self._stream(d, gens[0], state)) as chunks:
                     async for chunk in chunks:
                         _handoff(state, chunk, push.prefill_done_unix)
                         yield chunk
@@ -204,21 +228,9 @@ class Flows:
             if not done:
                 # Stopped early: D's decode may not have started (a cancelled task never runs, and
                 # would leave the reservation to its expiry), so cancel the reservation as well.
-                if gen is not None:
-                    ray.cancel(gen)
+                if gens:
+                    ray.cancel(gens[0])
                 d.actor.cancel_reservation.remote(req.request_id)
-
-    async def _push(
-        self, req: GenRequest, d: Member, res: Any, state: FlowState
-    ) -> tuple[PushResult, Member]:
-        def pick() -> Member:
-            return self.router.pick_prefill_for(d, exclude=state.dead)
-
-        push: PushResult
-        push, p = await self._on_prefill_worker(
-            req, state, pick, lambda p: p.actor.prefill_push.remote(req, res), "prefill_push"
-        )
-        return push, p
 
     # -- streaming ------------------------------------------------------------------------------
 

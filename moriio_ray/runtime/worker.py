@@ -18,6 +18,7 @@ from moriio_ray.engine.engine import Engine
 from moriio_ray.errors import ConfigError, DeadlineExceeded, RequestCancelled, TransferError
 from moriio_ray.runtime.engine_loop import EngineLoop
 from moriio_ray.runtime.kv_pull import KVPuller
+from moriio_ray.runtime.mailbox import Mailbox
 from moriio_ray.runtime.messages import (
     GenRequest,
     KVHandle,
@@ -88,6 +89,7 @@ class EngineWorker:
         self._reservations: dict[str, Reservation] = {}
         self._quarantined: set[str] = set()
         self._cancelled: dict[str, float] = {}  # request id -> when a cancel arrived
+        self.mailbox: Mailbox[KVHandle | PushResult] = Mailbox()
         self._background: set[asyncio.Future[None]] = set()
         self._closed = False
         self.counters: dict[str, float] = {
@@ -189,8 +191,11 @@ class EngineWorker:
 
     # -- READ mode ------------------------------------------------------------------------------
 
-    async def prefill(self, req: GenRequest) -> KVHandle:
-        """Prefill, sample the first token, lease the prompt's blocks and return the handle."""
+    async def prefill(self, req: GenRequest, deliver_to: Any = None) -> KVHandle:
+        """Prefill, sample the first token, lease the prompt's blocks and return the handle.
+
+        ``deliver_to``: the decode worker to hand the handle to at once (one Ray call, P -> D).
+        """
         self.counters["requests"] += 1
         q = self.loop.subscribe(req.request_id)
         ok = False
@@ -218,6 +223,8 @@ class EngineWorker:
                 finished=out.finish_reason is not None,
                 finish_reason=out.finish_reason,
             )
+            if deliver_to is not None:
+                deliver_to.deliver.remote(req.request_id, handle)
             ok = True
             return handle
         except asyncio.CancelledError:
@@ -233,17 +240,28 @@ class EngineWorker:
         released: bool = await self.loop.call(lambda: self.engine.release(transfer_id))
         return released
 
-    async def decode(self, req: GenRequest, source: KVHandle | PushResult) -> AsyncIterator[TokenChunk]:
+    async def decode(
+        self, req: GenRequest, source: KVHandle | PushResult | None = None
+    ) -> AsyncIterator[TokenChunk]:
         """Bring the prompt's KV in (READ: one batched read; WRITE: already pushed), then decode.
 
-        The stream carries the tokens after the first one (the caller already has the first).
+        ``source`` None: wait for P to deliver it (``deliver``). The stream carries the tokens
+        after the first one (the caller already has the first).
         """
         self.counters["requests"] += 1
         rid = req.request_id
         q = self.loop.subscribe(rid)
-        timings: dict[str, float] = {"decode_enter_unix": time.time()}
+        timings: dict[str, float] = {}
         puller: KVPuller | None = None
         try:
+            if source is None:
+                source, arrived_unix = await self.mailbox.take(rid, self.config.runtime.remote_timeout_s)
+            else:
+                arrived_unix = time.time()
+            timings["decode_enter_unix"] = arrived_unix
+            if source.finished:  # the first token already ended the request: nothing to decode
+                self._reservations.pop(rid, None)
+                return
             first: int | None
             if isinstance(source, KVHandle):
                 puller = KVPuller(self, req, source, timings)
@@ -260,9 +278,12 @@ class EngineWorker:
                 first, first_lp = source.first_token, source.first_logprob
                 timings["push_wait_s"] = source.push_wait_s
             if first is not None:
-                # Posted, not awaited: the engine thread takes it in call order, and a failure
-                # reaches the stream through the request's queue.
-                self.loop.post(_accept(self.engine, rid, first, first_lp, timings), on_error=q.put_nowait)
+                # Not awaited through the engine thread when the engine is between steps; a
+                # failure reaches the stream through the request's queue either way.
+                try:
+                    await self.loop.call_now(_accept(self.engine, rid, first, first_lp, timings))
+                except Exception as exc:
+                    q.put_nowait(exc)
             else:
                 timings["decode_start_unix"] = time.time()
             if puller is not None:
@@ -275,9 +296,30 @@ class EngineWorker:
             self.counters["cancelled"] += 1
             raise
         finally:
+            late = self.mailbox.abandon(req.request_id)
+            if isinstance(late, KVHandle):  # delivered but never read here: free P's lease
+                self._release_lease(late)
+            self._reservations.pop(req.request_id, None)
             self._finish(rid)
             if rid != req.request_id:
                 self._finish(req.request_id)
+
+    async def deliver(self, request_id: str, source: KVHandle | PushResult) -> None:
+        """P hands over its prefill result for a decode that waits here (or will)."""
+        if not self.mailbox.deliver(request_id, source) and isinstance(source, KVHandle):
+            self._release_lease(source)  # a duplicate (retried prefill) or an abandoned request
+
+    def _release_lease(self, handle: KVHandle) -> None:
+        async def release() -> None:
+            try:
+                peer = await self.peers.get(handle.engine_key, handle.epoch)
+                peer.actor.release.remote(handle.transfer_id)
+            except Exception as exc:  # P gone: its lease went with it
+                log.info("could not release %s on %s: %r", handle.transfer_id, handle.engine_key, exc)
+
+        task = asyncio.ensure_future(release())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     # -- WRITE mode -----------------------------------------------------------------------------
 
@@ -318,8 +360,13 @@ class EngineWorker:
             log.warning("reservation %s expired unused; freeing its blocks", request_id)
             self.loop.post(lambda: self.engine.abort(request_id))
 
-    async def prefill_push(self, req: GenRequest, reservation: Reservation) -> PushResult:
-        """Prefill while pushing each computed layer into D's reserved blocks; then free ours."""
+    async def prefill_push(
+        self, req: GenRequest, reservation: Reservation, deliver_to: Any = None
+    ) -> PushResult:
+        """Prefill while pushing each computed layer into D's reserved blocks; then free ours.
+
+        ``deliver_to``: the decode worker to hand the result to at once (one Ray call, P -> D).
+        """
         self.counters["requests"] += 1
         rid = req.request_id
         peer = await self.peers.get(reservation.engine_key, reservation.epoch)
@@ -349,7 +396,7 @@ class EngineWorker:
                 backend=self.agent.name,
                 role=self.role,
             )
-            return PushResult(
+            result = PushResult(
                 request_id=rid,
                 first_token=out.prefill.first_token,
                 first_logprob=out.prefill.first_logprob,
@@ -361,6 +408,9 @@ class EngineWorker:
                 finished=out.finish_reason is not None,
                 finish_reason=out.finish_reason,
             )
+            if deliver_to is not None:
+                deliver_to.deliver.remote(rid, result)
+            return result
         finally:
             self._pushers.pop(rid, None)
             self.loop.unsubscribe(rid)
@@ -420,7 +470,7 @@ class EngineWorker:
 async def reserve_blocks(worker: EngineWorker, req: GenRequest, deadline_s: float) -> list[int]:
     """Reserve blocks for ``req``; wait for the engine to free some, up to ``deadline_s`` (monotonic)."""
     while True:
-        blocks = await worker.loop.call(
+        blocks = await worker.loop.call_now(
             lambda: worker.engine.reserve(req.request_id, req.prompt_token_ids, req.params)
         )
         if blocks is not None:
