@@ -1,0 +1,45 @@
+"""The P -> D hand-over mailbox: either order, each request once, duplicates refused, deadlines."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from moriio_ray.errors import DeadlineExceeded, RequestCancelled
+from moriio_ray.runtime.mailbox import Mailbox
+
+
+@pytest.mark.timeout(10)
+def test_delivery_before_and_after_take() -> None:
+    async def run() -> None:
+        box: Mailbox[str] = Mailbox()
+        assert box.deliver("early", "h1")
+        item, _ = await box.take("early", 1.0)
+        assert item == "h1"
+
+        waiter = asyncio.ensure_future(box.take("late", 5.0))
+        await asyncio.sleep(0)  # let the taker register before the delivery
+        assert box.deliver("late", "h2")
+        item, arrived = await waiter
+        assert item == "h2" and arrived > 0
+
+        # each id is served once: a second delivery (a retried prefill) is refused
+        assert not box.deliver("late", "again")
+        with pytest.raises(RequestCancelled):
+            await box.take("late", 1.0)
+
+    asyncio.run(run())
+
+
+@pytest.mark.timeout(10)
+def test_deadline_and_abandon() -> None:
+    async def run() -> None:
+        box: Mailbox[str] = Mailbox()
+        with pytest.raises(DeadlineExceeded, match="no prefill result for r1"):
+            await box.take("r1", 0.05)
+        assert box.deliver("r2", "h") and box.abandon("r2") == "h"  # arrived, nobody will read it
+        assert box.abandon("r3") is None
+        assert not box.deliver("r3", "late")  # arrives after its decode gave up: refused
+
+    asyncio.run(run())
