@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -153,7 +154,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     doc = {
-        "args": vars(args),
+        "args": {**vars(args), "out": os.path.relpath(args.out, Path(__file__).resolve().parents[1])},
         "host": platform.node(),
         "python": platform.python_version(),
         "ray": ray.__version__,
