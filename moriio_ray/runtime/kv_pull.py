@@ -6,18 +6,15 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from moriio_ray import metrics
 from moriio_ray.errors import DeadlineExceeded, MoriioRayError, TransferError, TransferTimeout
 from moriio_ray.runtime.messages import GenRequest, KVHandle
 from moriio_ray.runtime.peers import Peer
 from moriio_ray.runtime.streaming import OutputQueue
+from moriio_ray.runtime.worker_base import WorkerBase, reserve_blocks
 from moriio_ray.transfer.handle import Transfer
 from moriio_ray.transfer.plan import plan_blocks
-
-if TYPE_CHECKING:
-    from moriio_ray.runtime.worker import EngineWorker
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +39,7 @@ class KVPuller:
     """Brings a prefilled prompt's KV from P into this decode worker's cache."""
 
     def __init__(
-        self, worker: EngineWorker, req: GenRequest, handle: KVHandle, timings: dict[str, float]
+        self, worker: WorkerBase, req: GenRequest, handle: KVHandle, timings: dict[str, float]
     ) -> None:
         self.w = worker
         self.req = req
@@ -53,8 +50,6 @@ class KVPuller:
         self._released = False
 
     async def run(self) -> PullResult:
-        from moriio_ray.runtime.worker import reserve_blocks
-
         h, w, rid = self.handle, self.w, self.req.request_id
         limit_unix = h.lease_deadline_unix - self.cfg.read_margin_s
         # Blocks: wait for them at most until the lease would end; later the read may not start.
@@ -115,8 +110,6 @@ class KVPuller:
         return PullResult(None, None, new_rid, q)
 
     async def _reserve_fresh(self, new_rid: str) -> None:
-        from moriio_ray.runtime.worker import reserve_blocks
-
         fresh = GenRequest(
             request_id=new_rid, prompt_token_ids=self.req.prompt_token_ids, params=self.req.params
         )
