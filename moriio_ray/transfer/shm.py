@@ -24,8 +24,8 @@ from moriio_ray.errors import ConfigError, PeerLost, SegmentOutOfBounds, Transfe
 from moriio_ray.transfer.base import EngineDesc, MemoryDesc, Transfer, TransferAgent, check_bounds
 from moriio_ray.transfer.handle import FutureTransfer
 from moriio_ray.transfer.shm_segment import Segment, sweep_stale_segments
-from moriio_ray.transfer.tcp_client import Workers
 from moriio_ray.transfer.tcp_wire import batches
+from moriio_ray.transfer.workers import Workers
 
 __all__ = ["ShmAgent", "sweep_stale_segments"]
 

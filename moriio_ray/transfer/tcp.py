@@ -24,10 +24,11 @@ import torch
 from moriio_ray.errors import ConfigError, PeerLost, TransferError, TransferTimeout
 from moriio_ray.transfer.base import EngineDesc, MemoryDesc, Transfer, TransferAgent
 from moriio_ray.transfer.handle import FutureTransfer
-from moriio_ray.transfer.tcp_client import PeerPool, Workers
+from moriio_ray.transfer.tcp_client import PeerPool
 from moriio_ray.transfer.tcp_region import Region, make_region
 from moriio_ray.transfer.tcp_server import TcpServer
 from moriio_ray.transfer.tcp_wire import OK, OPS, REQUEST, error_for, recv_status, send_all, set_deadline
+from moriio_ray.transfer.workers import Workers
 
 _MAX_CONNS_PER_PEER = 4
 _NUM_WORKERS = 8

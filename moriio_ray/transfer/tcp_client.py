@@ -7,11 +7,9 @@ reuses them for every later request. ``close(reason)`` fails the peer's in-fligh
 
 from __future__ import annotations
 
-import queue
 import socket
 import threading
 import time
-from collections.abc import Callable
 
 from moriio_ray.config import TcpConfig
 from moriio_ray.errors import IncompatiblePeer, PeerLost, StaleDescriptor, TransferTimeout
@@ -20,7 +18,6 @@ from moriio_ray.transfer.handle import FutureTransfer
 from moriio_ray.transfer.tcp_server import tune
 from moriio_ray.transfer.tcp_wire import HELLO, MAGIC, OK, VERSION, error_for, recv_status, send_all
 
-_JOIN_S = 2.0
 
 
 def dial(address: tuple[str, int], timeout_s: float, buffer_bytes: int) -> socket.socket:
@@ -148,28 +145,3 @@ class PeerPool:
                 sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass  # already gone
-
-
-class Workers:
-    """A fixed set of daemon threads that run submitted jobs; ``close`` joins them with a timeout."""
-
-    def __init__(self, num_threads: int, name: str) -> None:
-        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self._threads = [
-            threading.Thread(target=self._loop, name=f"{name}-{i}", daemon=True) for i in range(num_threads)
-        ]
-        for thread in self._threads:
-            thread.start()
-
-    def submit(self, job: Callable[[], None]) -> None:
-        self._jobs.put(job)
-
-    def _loop(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            job()
-
-    def close(self) -> None:
-        for _ in self._threads:
-            self._jobs.put(None)
-        for thread in self._threads:
-            thread.join(_JOIN_S)
