@@ -19,7 +19,6 @@ from moriio_ray.transfer.tcp_server import tune
 from moriio_ray.transfer.tcp_wire import HELLO, MAGIC, OK, VERSION, error_for, recv_status, send_all
 
 
-
 def dial(address: tuple[str, int], timeout_s: float, buffer_bytes: int) -> socket.socket:
     """Connect with the buffer sizes set before the handshake (they fix TCP's window scale)."""
     error: OSError = OSError(f"no address for {address}")
