@@ -266,6 +266,7 @@ class Coordinator:
             "mode": self.config.mode,
             "backend": self.config.transfer.backend,
             "version": self.version,
+            "coordinator_node": ray.get_runtime_context().get_node_id(),
             "workers": workers,
             "deaths": list(self.deaths),
             "starting": [f"{s.role}-{s.index}" for s in self.slots if s.starting],
@@ -299,8 +300,8 @@ def get_or_create(config: PipelineConfig, *, detached: bool) -> Any:
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     actor_cls = ray.remote(Coordinator)
-    # On the launching process's node (soft): usually the head, which outlives worker nodes.
-    here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=True)
+    # On the launching process's node: usually the head, which outlives worker nodes.
+    here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
     return actor_cls.options(
         scheduling_strategy=here,
         name=coordinator_name(config.name),

@@ -77,6 +77,8 @@ def test_spread_tcp_pipeline_and_node_loss(cluster: Cluster) -> None:
         p_node, d_node = _node_of(pipe, f"{name}-prefill-0"), _node_of(pipe, f"{name}-decode-0")
         labels = {n["NodeID"]: n.get("Labels", {}).get(LABEL) for n in ray.nodes() if n["Alive"]}
         assert p_node != d_node
+        # the coordinator sits on the launching node (the head), which outlives the worker nodes
+        assert pipe.stats()["coordinator_node"] == ray.get_runtime_context().get_node_id()
         assert labels[p_node] == "prefill" and labels[d_node] == "decode"
 
         results = pipe.generate_batch(prompts, params, max_concurrency=8)
