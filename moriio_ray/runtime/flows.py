@@ -137,18 +137,20 @@ class Flows:
                 on_submit=start_decode,
             )
             state.timings["prefill_s"] = handle.prefill_s
+            done = handle.finished  # set before each yield: the consumer may close us there
             yield _first_chunk(handle.first_token, handle.first_logprob, handle.finish_reason)
             if not handle.finished:
                 async with contextlib.aclosing(self._stream(d, gens[0], state)) as chunks:
                     async for chunk in chunks:
                         released = True  # D released the lease once it had read
+                        done = chunk.finished
                         _handoff(state, chunk, handle.prefill_done_unix)
                         yield chunk
             done = True
         finally:
             self.router.release(d, cost)
             if gens and not done:
-                ray.cancel(gens[0])  # stopped before D's stream was read to its end
+                _cancel(gens[0])  # stopped before D's stream was read to its end
             if handle is not None and p is not None and not released:
                 # finished at P, cancelled or failed before D read: free P's blocks now
                 p.actor.release.remote(handle.transfer_id)
@@ -183,7 +185,7 @@ class Flows:
             except BaseException:
                 # Cancelled or timed out: stop P's task, and tell P to free the request's blocks
                 # in case the task had already finished (its handle then reaches nobody).
-                ray.cancel(ref)
+                _cancel(ref)
                 p.actor.abort.remote(req.request_id)
                 raise
             finally:
@@ -216,10 +218,12 @@ class Flows:
                 on_submit=start_decode,
             )
             state.timings["prefill_s"] = push.prefill_s
+            done = push.finished  # set before each yield: the consumer may close us there
             yield _first_chunk(push.first_token, push.first_logprob, push.finish_reason)
             if not push.finished:
                 async with contextlib.aclosing(self._stream(d, gens[0], state)) as chunks:
                     async for chunk in chunks:
+                        done = chunk.finished
                         _handoff(state, chunk, push.prefill_done_unix)
                         yield chunk
             done = True
@@ -229,7 +233,7 @@ class Flows:
                 # Stopped early: D's decode may not have started (a cancelled task never runs, and
                 # would leave the reservation to its expiry), so cancel the reservation as well.
                 if gens:
-                    ray.cancel(gens[0])
+                    _cancel(gens[0])
                 d.actor.cancel_reservation.remote(req.request_id)
 
     # -- streaming ------------------------------------------------------------------------------
@@ -244,9 +248,10 @@ class Flows:
                 except StopAsyncIteration:
                     return
                 chunk: TokenChunk = await deadline(ref, self.timeout_s, f"chunk from {worker.key}")
+                # Mark the end before yielding it: the consumer may close us right there.
+                finished = chunk.finished
                 yield chunk
-                if chunk.finished:
-                    finished = True
+                if finished:
                     return
         except ray.exceptions.RayActorError:
             self._dead(worker)
@@ -254,7 +259,12 @@ class Flows:
             raise
         finally:
             if not finished:
-                ray.cancel(gen)
+                _cancel(gen)
+
+
+def _cancel(ref: Any) -> None:
+    """Cancel a worker's task, but not the calls it made itself (a lease release to P, ...)."""
+    ray.cancel(ref, recursive=False)
 
 
 def _first_chunk(token: int, logprob: float | None, finish_reason: str | None) -> TokenChunk:
