@@ -150,6 +150,8 @@ class Harness:
     device: ClassVar[str] = "cpu"  # where test memory lives: "cpu" or "cuda:N"
     token_applies: ClassVar[bool] = False  # the backend refuses a peer with another cluster token
     can_pause_peer: ClassVar[bool] = False  # a SIGSTOPped peer process stalls a transfer
+    # Why a peer in another process cannot be reached (e.g. an in-process fake); None: it can.
+    no_peer_process: ClassVar[str | None] = None
     hold_side: ClassVar[str | None] = None  # whose hook parks a transfer: "peer", "client" or None
     config_overrides: ClassVar[dict[str, Any]] = {}
 
