@@ -29,11 +29,6 @@ def cuda_visible_devices() -> str | None:
     return os.environ.get("CUDA_VISIBLE_DEVICES")
 
 
-def set_env(name: str, value: str) -> None:
-    """Set a variable for this process and its children (used before CUDA initialises)."""
-    os.environ[name] = value
-
-
 def get(name: str, default: str = "") -> str:
     """Read any variable (kept here so that env access stays in one module)."""
     return os.environ.get(name, default)

@@ -20,6 +20,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from moriio_ray import env
 from moriio_ray.config import PipelineConfig, RoleConfig
 from moriio_ray.errors import CapacityError, DeadlineExceeded
 from moriio_ray.runtime.messages import Member, Membership, Role, WorkerInfo
@@ -54,6 +55,7 @@ class Coordinator:
     def __init__(self, config: PipelineConfig) -> None:
         self.config = config
         self.token = secrets.token_bytes(32)
+        logging.getLogger("moriio_ray").setLevel(env.log_level())
         self.version = 0
         self.slots: list[Slot] = []
         self.pg: PlacementGroup | None = None

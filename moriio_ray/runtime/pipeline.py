@@ -25,7 +25,7 @@ from typing import Any
 import msgspec
 import ray
 
-from moriio_ray import metrics
+from moriio_ray import env, metrics
 from moriio_ray.config import PipelineConfig, load_config, parse_pipeline_config
 from moriio_ray.engine.sampling import SamplingParams
 from moriio_ray.engine.tokenizer import load_tokenizer
@@ -76,6 +76,7 @@ class PDPipeline:
     def __init__(self, coordinator: Any, config: PipelineConfig) -> None:
         self.coordinator = coordinator
         self.config = config
+        logging.getLogger("moriio_ray").setLevel(env.log_level())
         self.router = Router()
         self.flows = Flows(config, self.router, coordinator)
         self.tokenizer = load_tokenizer(config.model)

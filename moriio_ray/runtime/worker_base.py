@@ -9,7 +9,7 @@ import logging
 import time
 from typing import Any
 
-from moriio_ray import metrics
+from moriio_ray import env, metrics
 from moriio_ray.config import PipelineConfig
 from moriio_ray.engine.engine import Engine
 from moriio_ray.errors import ConfigError, DeadlineExceeded, RequestCancelled
@@ -47,6 +47,7 @@ class WorkerBase:
     ) -> None:
         self.config = config
         self.role = Role(role).value
+        logging.getLogger("moriio_ray").setLevel(env.log_level())
         self.key = key
         self.epoch = epoch
         self.coordinator = coordinator

@@ -339,9 +339,7 @@ class TransferAgent(abc.ABC):
             )
 
     def _host(self) -> str:
-        from moriio_ray.transfer.netinfo import node_ip
-
-        return node_ip()
+        return netinfo.node_ip()
 
     def _pid(self) -> int:
         import os
@@ -349,9 +347,7 @@ class TransferAgent(abc.ABC):
         return os.getpid()
 
     def _node_id(self) -> str:
-        from moriio_ray.transfer.netinfo import node_id
-
-        return node_id()
+        return netinfo.node_id()
 
     def _engine_backend_data(self) -> bytes:
         return b""
