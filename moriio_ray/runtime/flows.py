@@ -20,6 +20,7 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import msgspec
 import ray
 
 from moriio_ray.config import PipelineConfig
@@ -298,6 +299,4 @@ def _handoff(state: FlowState, chunk: TokenChunk, prefill_done_unix: float) -> N
 
 
 def _with_max_tokens(params: Any, max_tokens: int) -> Any:
-    import msgspec
-
     return msgspec.structs.replace(params, max_tokens=max_tokens)
