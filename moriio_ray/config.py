@@ -185,6 +185,7 @@ class EngineConfig(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
     layout: str = "layer_major"  # layer_major | block_major
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 4096
+    cuda_graphs: bool = True  # CUDA devices: decode steps replay graphs, captured before serving
 
     def __post_init__(self) -> None:
         _choice(self, "device", ("auto", "cpu", "cuda"))

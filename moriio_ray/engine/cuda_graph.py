@@ -5,7 +5,8 @@ launch cost. Inputs live in static device buffers that every graph reads through
 padded up to its bucket with rows that read and write only a reserved scratch block, and the
 gathered context is padded up to a power of two (masked). Graphs are captured on first use and
 share one memory pool, which is safe because each replay's logits are consumed before the next.
-A step whose gathered K/V would exceed ``max_gather_bytes`` runs eagerly instead.
+A step whose gathered K/V would exceed ``max_gather_bytes`` runs eagerly instead. Workers capture
+every graph before they serve (``capture_all``), so no request waits for a capture.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import numpy as np
 import torch
 
 from moriio_ray.engine.attention import AttnMetadata, decode_mask
+from moriio_ray.engine.inputs import decode_inputs
 from moriio_ray.engine.model import CausalLM, KVPair
 from moriio_ray.engine.sequence import Sequence
 
@@ -61,6 +63,7 @@ class DecodeGraphs:
         self.tables = buffer(max_b, self.max_width, fill=scratch_block)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool: Any = None  # the graphs' shared memory pool, after the first capture
+        self.num_replays = 0
 
     def _key(self, seqs: list[Sequence]) -> tuple[int, int] | None:
         batch = len(seqs)
@@ -95,15 +98,40 @@ class DecodeGraphs:
             self._forward(bucket, width)  # warm-up: lazy initialisation must not happen inside capture
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread_local: a worker's other threads (transfers, event polls) may use CUDA meanwhile
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             logits = self._forward(bucket, width)
         self.pool = graph.pool()
         return graph, logits
 
+    def keys(self) -> list[tuple[int, int]]:
+        """Every (batch bucket, block-table width) a decode step can use, within the gather limit."""
+        widths: list[int] = []
+        slots = MIN_CONTEXT_SLOTS
+        while True:
+            width = min(-(-slots // self.block_size), self.max_width)
+            if width not in widths:
+                widths.append(width)
+            if width >= self.max_width:
+                break
+            slots *= 2
+        return [
+            (bucket, width)
+            for width in widths
+            for bucket in self.buckets
+            if bucket * width * self.block_size * self.slot_bytes <= self.max_gather_bytes
+        ]
+
+    def capture_all(self) -> int:
+        """Capture every graph now (largest first, so that later captures reuse the pool's memory)."""
+        for key in reversed(self.keys()):
+            if key not in self.graphs:
+                self.graphs[key] = self._capture(*key)
+        torch.cuda.synchronize(self.device)
+        return len(self.graphs)
+
     def _load(self, seqs: list[Sequence], bucket: int, width: int) -> None:
         """Write the batch into the static buffers; padding rows feed token 0 into the scratch block."""
-        from moriio_ray.engine.runner import decode_inputs
-
         host = decode_inputs(seqs, self.block_size, width, pad_block=self.scratch_block)
         pad = bucket - len(seqs)
         rows = {
@@ -128,4 +156,5 @@ class DecodeGraphs:
             entry = self.graphs[key] = self._capture(*key)
         graph, logits = entry
         graph.replay()
+        self.num_replays += 1
         return logits[: len(seqs)]

@@ -4,7 +4,8 @@
 - ``prefill``: ``add_request`` prefills and samples the first token; the prompt's blocks stay leased
   under ``transfer_id == request_id`` for a peer to read, until ``release`` or lease + grace expiry.
 - ``decode``: ``reserve`` allocates blocks for a prompt whose KV a transfer writes into ``kv_cache``;
-  ``start_decode`` then joins the request to continuous batching after its first token.
+  ``start_decode`` then joins the request to continuous batching after its first token, which the
+  prefill engine sampled and its caller already has: a decode engine emits only the tokens it samples.
 
 Every public method holds one lock, so a runtime may drive ``step`` from a worker thread while
 another thread calls ``release`` or ``abort``.
@@ -33,7 +34,7 @@ from moriio_ray.engine.sampler import SamplingRow, row_key, sample
 from moriio_ray.engine.sampling import SamplingParams
 from moriio_ray.engine.scheduler import Scheduler
 from moriio_ray.engine.sequence import SeqState, Sequence, blocks_for
-from moriio_ray.engine.stopping import check_stop, truncate_at_stop
+from moriio_ray.engine.stopping import check_stop
 from moriio_ray.engine.tokenizer import load_tokenizer
 from moriio_ray.errors import CapacityError, ConfigError, InvalidRequest
 
@@ -72,7 +73,8 @@ class Engine:
         self.model = load_model(model, self.device, self.dtype, self.max_model_len)
         self.tokenizer = load_tokenizer(model)
         # on CUDA, decode steps replay CUDA graphs; their padding rows write into one scratch block
-        use_graphs = cuda_graphs and self.device.type == "cuda"
+        # (a prefill engine never decodes, so it needs none)
+        use_graphs = cuda_graphs and self.device.type == "cuda" and role != "prefill"
         self.cache = KVCache(self.args, engine, self.dtype, self.device, agent, extra_blocks=int(use_graphs))
         self.kv_cache: torch.Tensor = self.cache.tensor
         self.kv_mem = self.cache.mem
@@ -93,6 +95,7 @@ class Engine:
                 self.max_model_len,
                 self.device,
             )
+        self.graphs = graphs
         self.runner = ModelRunner(self.model, self.cache, self.device, graphs)
         self._seqs: dict[str, Sequence] = {}
         self._pending: list[StepOutput] = []  # outputs produced outside step(), returned by the next one
@@ -173,50 +176,50 @@ class Engine:
             raise InvalidRequest(f"request_id: {request_id!r} holds no reservation; call reserve first")
         return seq
 
-    def start_decode(self, request_id: str, first_token: int, first_logprob: float | None = None) -> None:
-        """Decode role: the reserved prompt's KV is in place; decode from ``first_token`` on."""
-        with self._lock:
-            seq = self._reserved(request_id)
-            if not isinstance(first_token, int) or not 0 <= first_token < self.args.vocab_size:
-                raise InvalidRequest(f"first_token: {first_token!r} is not a token id of this model")
-            if seq.params.logprobs and first_logprob is None:
-                raise InvalidRequest(
-                    "first_logprob: the request wants logprobs; pass PrefillResult.first_logprob"
-                )
-            seq.num_cached = seq.num_prompt_tokens
-            seq.output_ids = [first_token]
-            seq.pending_ids = [first_token]
-            want = seq.params.logprobs and first_logprob is not None
-            seq.pending_logprobs = [first_logprob] if want and first_logprob is not None else []
-            reason = check_stop(seq, self.tokenizer, self.max_model_len)
-            if reason is None:
-                self.scheduler.add(seq)
-                return
-            self._drop(seq)
-            lps = seq.pending_logprobs if seq.params.logprobs else None
-            self._pending.append(
-                StepOutput(
-                    request_id=request_id,
-                    new_token_ids=[first_token],
-                    finished=True,
-                    finish_reason=reason,
-                    logprobs=lps,
-                )
-            )
+    def start_decode(self, request_id: str, first_token: int) -> None:
+        """Decode role: the reserved prompt's KV is in place; decode after ``first_token``.
 
-    def prefill_into_reserved(self, request_id: str) -> None:
-        """Decode role, transfer failed: compute the prompt locally into its reserved blocks, then decode."""
+        The first token is recorded, not emitted (its sampler and caller have it already); the
+        following steps emit the tokens this engine samples.
+        """
         with self._lock:
-            seq = self._reserved(request_id)
-            seq.num_cached = 0
+            seq = self._join(request_id, first_token)
+            seq.num_cached = seq.num_prompt_tokens
+            self._schedule_or_finish(seq)
+
+    def recompute_reserved(self, request_id: str, first_token: int) -> None:
+        """Decode role, the transfer failed: compute the prompt and ``first_token`` into the reserved
+        blocks here (one prefill), then decode on; as with ``start_decode``, nothing is re-emitted."""
+        with self._lock:
+            seq = self._join(request_id, first_token)
+            seq.num_cached = 0  # the next prefill feeds prompt + first token and samples the second
+            self._schedule_or_finish(seq)
+
+    def _join(self, request_id: str, first_token: int) -> Sequence:
+        seq = self._reserved(request_id)
+        if isinstance(first_token, bool) or not isinstance(first_token, int):
+            raise InvalidRequest(f"first_token: {first_token!r} is not a token id of this model")
+        if not 0 <= first_token < self.args.vocab_size:
+            raise InvalidRequest(f"first_token: {first_token!r} is not a token id of this model")
+        seq.output_ids = [first_token]
+        return seq
+
+    def _schedule_or_finish(self, seq: Sequence) -> None:
+        reason = check_stop(seq, self.tokenizer, self.max_model_len)
+        if reason is None:
             self.scheduler.add(seq)
+            return
+        # the first token already ends it (the prefill engine reports that itself; kept for safety)
+        self._drop(seq)
+        self._pending.append(
+            StepOutput(request_id=seq.request_id, new_token_ids=[], finished=True, finish_reason=reason)
+        )
 
     # -- the step loop --------------------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:
         """Run one scheduled batch (prefill or decode) and return the new tokens of its requests."""
         with self._lock:
-            self._expire_leases()
             outputs, self._pending = self._pending, []
             batch = self.scheduler.schedule()
             if batch is None:
@@ -243,35 +246,39 @@ class Engine:
     def _advance(self, seq: Sequence, token: int, logprob: float | None) -> StepOutput:
         seq.num_cached = seq.num_tokens
         seq.output_ids.append(token)
-        ids, seq.pending_ids = [*seq.pending_ids, token], []
-        lps = [*seq.pending_logprobs, logprob] if logprob is not None else None
-        seq.pending_logprobs = []
         reason = check_stop(seq, self.tokenizer, self.max_model_len)
         out = StepOutput(
             request_id=seq.request_id,
-            new_token_ids=ids,
+            new_token_ids=[token],
             finished=reason is not None,
             finish_reason=reason,
-            logprobs=lps,
+            logprobs=[logprob] if logprob is not None else None,
         )
         if seq.prefill_only:
-            out.finished, out.prefill = True, self._lease_prompt(seq, token, logprob)
+            # a first token that already ends the request leaves nothing for a peer to read
+            out.prefill = self._prefill_result(seq, token, logprob, lease=reason is None)
+            out.finished = True
         if out.finished:
             self.scheduler.finish(seq)
             del self._seqs[seq.request_id]
         return out
 
-    def _lease_prompt(self, seq: Sequence, first_token: int, first_logprob: float | None) -> PrefillResult:
-        lease_s = seq.lease_s if seq.lease_s is not None else self.lease_s
-        block_ids = seq.block_table[: blocks_for(seq.num_prompt_tokens, self.block_size)]
-        deadline_s = time.monotonic() + lease_s
-        self.allocator.lease(seq.request_id, block_ids, deadline_s)
+    def _prefill_result(
+        self, seq: Sequence, first_token: int, first_logprob: float | None, *, lease: bool
+    ) -> PrefillResult:
+        block_ids: list[int] = []
+        deadline_unix = 0.0
+        if lease:
+            lease_s = seq.lease_s if seq.lease_s is not None else self.lease_s
+            block_ids = seq.block_table[: blocks_for(seq.num_prompt_tokens, self.block_size)]
+            now_s, now_unix = time.monotonic(), time.time()
+            self.allocator.lease(seq.request_id, block_ids, now_s + lease_s)
+            deadline_unix = now_unix + lease_s
         return PrefillResult(
             block_ids=list(block_ids),
             num_tokens=seq.num_prompt_tokens,
             first_token=first_token,
-            lease_deadline_s=deadline_s,
-            lease_deadline_unix=time.time() + lease_s,
+            lease_deadline_unix=deadline_unix,
             first_logprob=first_logprob,
         )
 
@@ -318,15 +325,6 @@ class Engine:
             now = time.monotonic() if now_s is None else now_s
             return self.allocator.sweep(now, self.lease_grace_s)
 
-    def _expire_leases(self) -> None:
-        if self.allocator.num_leases:
-            for transfer_id in self.sweep_leases():
-                log.warning(
-                    "lease %s expired unreleased after lease + %.1f s grace; blocks freed",
-                    transfer_id,
-                    self.lease_grace_s,
-                )
-
     # -- introspection --------------------------------------------------------------------------
 
     def stats(self) -> dict[str, int]:
@@ -360,10 +358,10 @@ class Engine:
                 raise InvalidRequest(f"request_id: {request_id!r} holds no blocks on this engine")
             return seq.block_table[: blocks_for(seq.num_prompt_tokens, self.block_size)]
 
-    def detokenize(self, token_ids: list[int], params: SamplingParams | None = None) -> str:
-        """Text of ``token_ids``; with ``params``, cut before the first of its stop strings."""
-        text = self.tokenizer.decode(list(token_ids))
-        return truncate_at_stop(text, params.stop) if params is not None and params.stop else text
+    def capture_graphs(self) -> int:
+        """Capture every decode CUDA graph now (workers do, before serving); how many there are."""
+        with self._lock:
+            return self.graphs.capture_all() if self.graphs is not None else 0
 
     def close(self) -> None:
         """Deregister the KV cache from the agent (the agent is the caller's to close)."""

@@ -9,14 +9,14 @@ class PrefillResult(msgspec.Struct, frozen=True, kw_only=True):
     """A prefill engine's handle on a finished prompt: which blocks hold its KV, and for how long.
 
     The blocks stay leased under ``transfer_id == request_id`` until ``Engine.release`` or until the
-    lease deadline plus the engine's grace period has passed.
+    lease deadline plus the engine's grace period has passed. A first token that already ended the
+    request leases nothing (``block_ids`` is empty).
     """
 
     block_ids: list[int]
     num_tokens: int  # prompt tokens whose K/V the blocks hold
     first_token: int
-    lease_deadline_s: float  # time.monotonic() based, for this process
-    lease_deadline_unix: float  # the same deadline as wall-clock time.time(), for other processes
+    lease_deadline_unix: float  # wall-clock time.time(): it travels to other processes
     first_logprob: float | None = None
 
 

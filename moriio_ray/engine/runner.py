@@ -3,7 +3,6 @@ tables), runs the forward pass over the paged cache and returns one row of logit
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 
 import numpy as np
@@ -11,6 +10,7 @@ import torch
 
 from moriio_ray.engine.attention import AttnMetadata, decode_mask
 from moriio_ray.engine.cuda_graph import DecodeGraphs
+from moriio_ray.engine.inputs import decode_inputs
 from moriio_ray.engine.kv_cache import KVCache
 from moriio_ray.engine.model import CausalLM
 from moriio_ray.engine.scheduler import Batch
@@ -18,31 +18,6 @@ from moriio_ray.engine.sequence import Sequence
 
 # Above this many mask elements a mixed-length prefill runs one SDPA call per sequence instead.
 MAX_PREFILL_MASK_ELEMS = 1 << 24
-
-
-@dataclasses.dataclass
-class DecodeInputs:
-    """Host-side inputs of a decode step, one row per sequence (int64 numpy arrays)."""
-
-    ids: np.ndarray  # [B] the token fed (each sequence's last)
-    positions: np.ndarray  # [B] its position (== the number of tokens already cached)
-    block_tables: np.ndarray  # [B, width] block ids, padded with ``pad_block``
-    slot_blocks: np.ndarray  # [B] the block its K/V go to
-    slot_offsets: np.ndarray  # [B] the offset inside that block
-
-
-def decode_inputs(
-    seqs: list[Sequence], block_size: int, width: int | None = None, pad_block: int = 0
-) -> DecodeInputs:
-    """Decode inputs for ``seqs``; ``width`` block-table columns (default: the longest table)."""
-    ids = np.asarray([seq.output_ids[-1] if seq.output_ids else seq.prompt_ids[-1] for seq in seqs])
-    positions = np.asarray([seq.num_cached for seq in seqs], dtype=np.int64)
-    width = width if width is not None else max(len(seq.block_table) for seq in seqs)
-    tables = np.full((len(seqs), width), pad_block, dtype=np.int64)  # padding is masked out
-    for i, seq in enumerate(seqs):
-        tables[i, : len(seq.block_table)] = seq.block_table
-    blocks = tables[np.arange(len(seqs)), positions // block_size]
-    return DecodeInputs(ids.astype(np.int64), positions, tables, blocks, positions % block_size)
 
 
 class ModelRunner:

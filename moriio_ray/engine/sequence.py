@@ -38,9 +38,6 @@ class Sequence:
     output_ids: list[int] = dataclasses.field(default_factory=list)
     block_table: list[int] = dataclasses.field(default_factory=list)
     num_cached: int = 0
-    # tokens produced outside a step (a decode engine's injected first token), reported with the next output
-    pending_ids: list[int] = dataclasses.field(default_factory=list)
-    pending_logprobs: list[float] = dataclasses.field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -52,7 +49,3 @@ class Sequence:
 
     def token_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
-
-    def uncached_ids(self) -> list[int]:
-        """The tokens the next forward pass feeds (all of them for a prefill, the last for a decode)."""
-        return self.token_ids()[self.num_cached :]

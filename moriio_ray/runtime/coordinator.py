@@ -24,7 +24,6 @@ from moriio_ray import env
 from moriio_ray.config import PipelineConfig, RoleConfig
 from moriio_ray.errors import CapacityError, DeadlineExceeded
 from moriio_ray.runtime.messages import Member, Membership, Role, WorkerInfo
-from moriio_ray.runtime.worker import make_actor_class
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +124,8 @@ class Coordinator:
             from moriio_ray.transfer.cuda_devices import ray_actor_env
 
             options["runtime_env"] = {"env_vars": ray_actor_env()}
+        from moriio_ray.worker.actor import make_actor_class  # the worker's code, not the coordinator's
+
         me = ray.get_runtime_context().current_actor
         actor = (
             make_actor_class()
@@ -148,7 +149,7 @@ class Coordinator:
             key=key,
             role=slot.role,
             epoch=slot.epoch,
-            node_id=info.node_id,
+            node_id=info.engine_desc.node_id,
             actor=actor,
             info_ref=ray.put(info),  # owned by the coordinator: lives as long as it does
             same_host_only=info.same_host_only,
@@ -188,9 +189,6 @@ class Coordinator:
 
     async def get_config(self) -> PipelineConfig:
         return self.config
-
-    async def get_token(self) -> bytes:
-        return self.token
 
     # -- liveness -------------------------------------------------------------------------------
 

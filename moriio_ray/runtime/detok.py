@@ -1,8 +1,15 @@
-"""Incremental detokenization with stop-string handling, for streams and final results."""
+"""Incremental detokenization on the caller, with stop-string handling, for streams and results.
+
+Each chunk decodes only a short window of tokens (the new ones, after the previous chunk's tokens
+for context), not the whole output, so a request costs O(tokens), not O(tokens^2). The last chunk
+checks the result against one full decode, so a final text equals ``tokenizer.decode`` exactly.
+"""
 
 from __future__ import annotations
 
 from typing import Protocol
+
+_REPLACEMENT = "\ufffd"
 
 
 class Decoder(Protocol):
@@ -21,26 +28,47 @@ class IncrementalText:
         self.stop = [s for s in stop if s]
         self._hold = max((len(s) for s in self.stop), default=1) - 1
         self.token_ids: list[int] = []
+        self.text = ""  # the text of token_ids[:_read] (cut at a stop string once one is found)
         self.sent = 0  # characters of the text already emitted
-        self.text = ""
+        self.stopped = False  # a stop string was found: nothing more is emitted
+        self._prefix = 0  # the window decoded next starts here, for context
+        self._read = 0  # tokens already in self.text
 
     def add(self, token_ids: list[int], *, final: bool) -> str:
         """Append tokens; return the new text that is safe to emit."""
+        if self.stopped:
+            return ""
         self.token_ids.extend(token_ids)
-        text = self.tokenizer.decode(self.token_ids)
-        cut = self._stop_at(text)
+        searched = max(0, len(self.text) - self._hold)
+        self._extend(final)
+        if final and not self.stop:
+            full = self.tokenizer.decode(self.token_ids)
+            if full.startswith(self.text[: self.sent]):
+                self.text = full
+        cut = self._stop_at(searched)
         if cut is not None:
-            text, final = text[:cut], True
-        self.text = text
-        limit = len(text)
-        if not final:
-            if text.endswith("\ufffd"):
-                limit -= 1
-            limit = max(self.sent, limit - self._hold) if self.stop else limit
-        delta = text[self.sent : limit]
+            self.text, final, self.stopped = self.text[:cut], True, True
+        limit = len(self.text)
+        if not final and self.stop:
+            limit = max(self.sent, limit - self._hold)
+        delta = self.text[self.sent : limit]
         self.sent = max(self.sent, limit)
         return delta
 
-    def _stop_at(self, text: str) -> int | None:
-        found = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+    def _extend(self, final: bool) -> None:
+        ids = self.token_ids
+        if self._read == len(ids):
+            return
+        before = self.tokenizer.decode(ids[self._prefix : self._read])
+        window = self.tokenizer.decode(ids[self._prefix :])
+        if not final and window.endswith(_REPLACEMENT):
+            return  # an incomplete character: wait for the next token
+        if len(window) >= len(before) and window.startswith(before):
+            self.text += window[len(before) :]
+        else:  # the context changed how earlier tokens decode (rare): fall back to a full decode
+            self.text = self.tokenizer.decode(ids)
+        self._prefix, self._read = self._read, len(ids)
+
+    def _stop_at(self, start: int) -> int | None:
+        found = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
         return min(found) if found else None

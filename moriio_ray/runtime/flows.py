@@ -1,15 +1,19 @@
 """The request flows, driven from the caller's side (a driver or the Serve ingress).
 
-READ:  P.prefill(req, D) and D.decode(req) start together; P hands its KVHandle straight to D
-       (D.deliver), D reads once and releases P's lease; the caller's copy gives the first token.
-WRITE: D.reserve, then P.prefill_push(req, reservation, D) and D.decode(req); P pushes each layer
-       into D's blocks and hands its PushResult straight to D.
-COLOCATED: C.generate streams.
+Disaggregated (READ and WRITE, one function with numbered steps; ``Mode`` holds the differences):
+  1. pick D (READ: P first, then a D that can reach it);
+  2. WRITE: D reserves the blocks P will push into;
+  3. subscribe to D's output stream and start ``D.decode``, which waits for P's hand-over;
+  4. P prefills and hands its result straight to D (one Ray call, P -> D), retried once on
+     another P if P dies;
+  5. the first token, sampled on P, goes to the caller from P's result (D never sends it again);
+  6. once D has the KV and decodes, its tokens come on the stream.
+  If the caller stops early, D and P are told to abort: their blocks and P's lease are freed at once.
+Colocated: ``C.generate`` admits the request; its tokens come on the stream.
 
-Failure rules (DESIGN section 6): every remote await has a deadline; a prefill whose P dies is
-retried once on another P; a decode whose D dies ends with PeerLost, or (``on_transfer_failure:
-recompute``) continues on another pair from the tokens already produced; a cancelled request
-releases P's blocks at once.
+Failure rules: every remote await has a deadline; a prefill whose P dies is retried once on another
+P; a decode whose D dies ends with PeerLost, or (``on_transfer_failure: recompute``) continues on
+another pair from the tokens already produced.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import contextlib
 import logging
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 import msgspec
 import ray
@@ -26,11 +30,32 @@ import ray
 from moriio_ray.config import PipelineConfig
 from moriio_ray.errors import PeerLost
 from moriio_ray.runtime.deadline import deadline
-from moriio_ray.runtime.messages import GenRequest, KVHandle, Member, PushResult, TokenChunk
+from moriio_ray.runtime.messages import (
+    DecodeStart,
+    GenRequest,
+    Handoff,
+    Member,
+    RequestOutput,
+    Reservation,
+    Timings,
+)
 from moriio_ray.runtime.router import Router
+from moriio_ray.runtime.streams import OutputStreams, Subscription
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
+
+
+@dataclass
+class TokenChunk:
+    """New tokens of one request, as the flows hand them to the pipeline."""
+
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+    finish_reason: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 @dataclass
@@ -38,11 +63,29 @@ class FlowState:
     """What one request's flow has produced so far (read by the pipeline for results and timings)."""
 
     emitted: list[int] = field(default_factory=list)
-    timings: dict[str, float] = field(default_factory=dict)
+    timings: Timings = field(default_factory=Timings)
     prefill_key: str | None = None
     decode_key: str | None = None
     retries: int = 0
     dead: set[str] = field(default_factory=set)  # workers seen dead: no retry goes to them
+
+
+@dataclass(frozen=True)
+class Mode:
+    """What tells READ from WRITE."""
+
+    name: str
+    reserve_first: bool  # WRITE: D reserves blocks before P runs
+    p_first: bool  # READ: pick P, then a D that can reach it
+    call: Callable[[Member, GenRequest, Reservation | None, Member], Any]  # P's Ray call
+
+
+MODES = {
+    "read": Mode("read", False, True, lambda p, req, _res, d: p.actor.prefill.remote(req, d.actor)),
+    "write": Mode(
+        "write", True, False, lambda p, req, res, d: p.actor.prefill_push.remote(req, res, d.actor)
+    ),
+}
 
 
 class Flows:
@@ -55,29 +98,25 @@ class Flows:
         self.timeout_s = config.runtime.remote_timeout_s
         self.counters = {"prefill_retries": 0, "continuations": 0, "peer_lost": 0}
 
-    def _dead(self, member: Member) -> None:
-        self.coordinator.report_failure.remote(member.key, member.epoch)
-
-    async def run(self, req: GenRequest, state: FlowState) -> AsyncGenerator[TokenChunk, None]:
+    async def run(
+        self, req: GenRequest, state: FlowState, streams: OutputStreams
+    ) -> AsyncGenerator[TokenChunk, None]:
         """Stream the request's chunks; the first chunk holds the first token."""
-        mode = self.config.mode
         budget = req.params.max_tokens
         attempt = req
         while True:
             try:
-                if mode == "colocated":
-                    gen = self._colocated(attempt, state)
-                elif mode == "write":
-                    gen = self._write(attempt, state)
+                if self.config.mode == "colocated":
+                    gen = self._colocated(attempt, state, streams)
                 else:
-                    gen = self._read(attempt, state)
+                    gen = self._disaggregated(attempt, state, streams, MODES[self.config.mode])
                 async with contextlib.aclosing(gen) as chunks:
                     async for chunk in chunks:
                         state.emitted.extend(chunk.token_ids)
                         yield chunk
                 return
             except ray.exceptions.RayActorError as exc:
-                # The decode side died mid-stream (prefill deaths are retried inside the flows).
+                # The decode side died mid-stream (prefill deaths are retried inside the flow).
                 if self.config.transfer.on_transfer_failure != "recompute" or state.retries >= 1:
                     self.counters["peer_lost"] += 1
                     raise PeerLost(f"the worker serving {req.request_id} died: {exc}") from None
@@ -90,81 +129,100 @@ class Flows:
                 attempt = GenRequest(
                     request_id=f"{req.request_id}:cont{state.retries}",
                     prompt_token_ids=[*req.prompt_token_ids, *state.emitted],
-                    params=_with_max_tokens(req.params, left),
+                    params=msgspec.structs.replace(req.params, max_tokens=left),
                 )
 
     # -- colocated ------------------------------------------------------------------------------
 
-    async def _colocated(self, req: GenRequest, state: FlowState) -> AsyncGenerator[TokenChunk, None]:
-        worker = self.router.pick("colocated", exclude=state.dead)
+    async def _colocated(
+        self, req: GenRequest, state: FlowState, streams: OutputStreams
+    ) -> AsyncGenerator[TokenChunk, None]:
+        c = self.router.pick("colocated", exclude=state.dead)
+        state.decode_key = c.key
         cost = len(req.prompt_token_ids) + req.params.max_tokens
-        self.router.acquire(worker, cost)
-        state.decode_key = worker.key
-        try:
-            stream = self._stream(worker, worker.actor.generate.remote(req), state)
-            async with contextlib.aclosing(stream) as chunks:
-                async for chunk in chunks:
-                    yield chunk
-        finally:
-            self.router.release(worker, cost)
-
-    # -- READ -----------------------------------------------------------------------------------
-
-    async def _read(self, req: GenRequest, state: FlowState) -> AsyncGenerator[TokenChunk, None]:
-        # D's decode starts together with P's prefill and waits for P to hand it the KVHandle
-        # directly (P -> D, one Ray call); the caller's own copy of the handle gives the first token.
-        p0 = self.router.pick("prefill", exclude=state.dead)
-        d = self.router.pick_decode_for(p0, exclude=state.dead)
-        state.decode_key = d.key
-        cost = req.params.max_tokens
-        self.router.acquire(d, cost)
-        gens: list[Any] = []
-        released = False
+        self.router.acquire(c, cost)
+        sub = streams.open(c, req.request_id)
         done = False
-        handle: KVHandle | None = None
-        p: Member | None = None
-
-        def start_decode() -> None:
-            if not gens:
-                gens.append(d.actor.decode.remote(req, None))
-
         try:
-            handle, p = await self._on_prefill_worker(
-                req,
-                state,
-                lambda attempt: p0 if attempt == 0 else self.router.pick_prefill_for(d, exclude=state.dead),
-                lambda p: p.actor.prefill.remote(req, d.actor),
-                "prefill",
-                on_submit=start_decode,
-            )
-            state.timings["prefill_s"] = handle.prefill_s
-            done = handle.finished  # set before each yield: the consumer may close us there
-            yield _first_chunk(handle.first_token, handle.first_logprob, handle.finish_reason)
-            if not handle.finished:
-                async with contextlib.aclosing(self._stream(d, gens[0], state)) as chunks:
-                    async for chunk in chunks:
-                        released = True  # D released the lease once it had read
-                        done = chunk.finished
-                        _handoff(state, chunk, handle.prefill_done_unix)
-                        yield chunk
-            done = True
+            await self._call(c, c.actor.generate.remote(req, streams.caller_id), "generate", state)
+            async for chunk in self._stream(c, sub, state):
+                done = chunk.finished  # set before each yield: the consumer may close us there
+                yield chunk
         finally:
-            self.router.release(d, cost)
-            if gens and not done:
-                _cancel(gens[0])  # stopped before D's stream was read to its end
-            if handle is not None and p is not None and not released:
-                # finished at P, cancelled or failed before D read: free P's blocks now
-                p.actor.release.remote(handle.transfer_id)
+            sub.close()
+            self.router.release(c, cost)
+            if not done:
+                c.actor.abort.remote(req.request_id)
 
-    async def _on_prefill_worker(
+    # -- disaggregated --------------------------------------------------------------------------
+
+    async def _disaggregated(
+        self, req: GenRequest, state: FlowState, streams: OutputStreams, mode: Mode
+    ) -> AsyncGenerator[TokenChunk, None]:
+        rid = req.request_id
+        # 1. Pick D (READ: P first, then a D that can reach it).
+        p0 = self.router.pick("prefill", exclude=state.dead) if mode.p_first else None
+        d = (
+            self.router.pick_decode_for(p0, exclude=state.dead)
+            if p0 is not None
+            else self.router.pick("decode", exclude=state.dead)
+        )
+        state.decode_key = d.key
+        cost = req.params.max_tokens + (0 if mode.p_first else len(req.prompt_token_ids))
+        self.router.acquire(d, cost)
+        sub = streams.open(d, rid)
+        p: Member | None = None
+        decode_ref: Any = None
+        done = False
+        try:
+            # 2. WRITE: D reserves the blocks P will push into.
+            reservation = None
+            if mode.reserve_first:
+                reservation = await self._call(d, d.actor.reserve.remote(req), "reserve", state)
+            # 3. D starts waiting for P's hand-over.
+            decode_ref = d.actor.decode.remote(req, streams.caller_id)
+
+            # 4. P prefills and hands its result straight to D (once more on another P if P dies).
+            def pick(attempt: int) -> Member:
+                if attempt == 0 and p0 is not None:
+                    return p0
+                return self.router.pick_prefill_for(d, exclude=state.dead)
+
+            result, p = await self._prefill(req, state, pick, lambda p: mode.call(p, req, reservation, d))
+            state.timings.prefill_s = result.prefill_s
+            if isinstance(result, msgspec.Struct) and hasattr(result, "push_wait_s"):
+                state.timings.push_wait_s = result.push_wait_s
+            # 5. The first token, from P's result.
+            done = result.finish_reason is not None
+            yield TokenChunk([result.first_token], _lp(result.first_logprob), result.finish_reason)
+            if done:
+                return
+            # 6. D has the KV and decodes; its tokens follow on the stream.
+            start: DecodeStart = await self._call(d, decode_ref, "decode", state)
+            decode_ref = None
+            state.timings.add_handoff(result.prefill_done_unix, start)
+            async for chunk in self._stream(d, sub, state):
+                done = chunk.finished
+                yield chunk
+        finally:
+            sub.close()
+            self.router.release(d, cost)
+            if decode_ref is not None:
+                _forget(decode_ref)
+            if not done:
+                # D frees its blocks (and releases P's lease if the handle reached it); P frees
+                # its lease if D never got the handle, or stops a prefill still running.
+                d.actor.abort.remote(rid)
+                if p is not None:
+                    p.actor.abort.remote(rid)
+
+    async def _prefill(
         self,
         req: GenRequest,
         state: FlowState,
         pick: Callable[[int], Member],
         call: Callable[[Member], Any],
-        what: str,
-        on_submit: Callable[[], None] | None = None,
-    ) -> tuple[Any, Member]:
+    ) -> tuple[Handoff, Member]:
         """Run ``call(P)`` on ``pick(attempt)``; if P dies, once more on another (failure rule)."""
         for attempt in range(self.config.runtime.prefill_retries + 1):
             p = pick(attempt)
@@ -172,131 +230,79 @@ class Flows:
             cost = len(req.prompt_token_ids)
             self.router.acquire(p, cost)
             ref = call(p)
-            if on_submit is not None:
-                on_submit()
             try:
-                return await deadline(ref, self.timeout_s, f"{what} on {p.key}"), p
+                result: Handoff = await deadline(ref, self.timeout_s, f"prefill on {p.key}")
+                return result, p
             except ray.exceptions.RayActorError:
-                self._dead(p)
-                state.dead.add(p.key)
+                self._dead(p, state)
                 if attempt >= self.config.runtime.prefill_retries:
                     raise
                 self.counters["prefill_retries"] += 1
-                log.warning("%s of %s: %s died, retrying on another P", what, req.request_id, p.key)
+                log.warning("prefill of %s: %s died, retrying on another P", req.request_id, p.key)
             except BaseException:
-                # Cancelled or timed out: stop P's task, and tell P to free the request's blocks
-                # in case the task had already finished (its handle then reaches nobody).
-                _cancel(ref)
+                # Cancelled or timed out: P's abort stops its task, or frees the request's blocks
+                # if the task had already finished (its handle then reaches nobody).
+                _forget(ref)
                 p.actor.abort.remote(req.request_id)
                 raise
             finally:
                 self.router.release(p, cost)
         raise AssertionError("unreachable")
 
-    # -- WRITE ----------------------------------------------------------------------------------
+    # -- shared ---------------------------------------------------------------------------------
 
-    async def _write(self, req: GenRequest, state: FlowState) -> AsyncGenerator[TokenChunk, None]:
-        d = self.router.pick("decode", exclude=state.dead)
-        state.decode_key = d.key
-        cost = req.params.max_tokens + len(req.prompt_token_ids)
-        self.router.acquire(d, cost)
-        gens: list[Any] = []
-        done = False
-
-        def start_decode() -> None:  # D waits for P to hand it the PushResult directly
-            if not gens:
-                gens.append(d.actor.decode.remote(req, None))
-
+    async def _call(self, worker: Member, ref: Any, what: str, state: FlowState) -> Any:
         try:
-            res = await deadline(d.actor.reserve.remote(req), self.timeout_s, f"reserve on {d.key}")
-            push: PushResult
-            push, _p = await self._on_prefill_worker(
-                req,
-                state,
-                lambda _attempt: self.router.pick_prefill_for(d, exclude=state.dead),
-                lambda p: p.actor.prefill_push.remote(req, res, d.actor),
-                "prefill_push",
-                on_submit=start_decode,
-            )
-            state.timings["prefill_s"] = push.prefill_s
-            done = push.finished  # set before each yield: the consumer may close us there
-            yield _first_chunk(push.first_token, push.first_logprob, push.finish_reason)
-            if not push.finished:
-                async with contextlib.aclosing(self._stream(d, gens[0], state)) as chunks:
-                    async for chunk in chunks:
-                        done = chunk.finished
-                        _handoff(state, chunk, push.prefill_done_unix)
-                        yield chunk
-            done = True
-        finally:
-            self.router.release(d, cost)
-            if not done:
-                # Stopped early: D's decode may not have started (a cancelled task never runs, and
-                # would leave the reservation to its expiry), so cancel the reservation as well.
-                if gens:
-                    _cancel(gens[0])
-                d.actor.cancel_reservation.remote(req.request_id)
+            return await deadline(ref, self.timeout_s, f"{what} on {worker.key}")
+        except ray.exceptions.RayActorError:
+            self._dead(worker, state)
+            raise
 
-    # -- streaming ------------------------------------------------------------------------------
-
-    async def _stream(self, worker: Member, gen: Any, state: FlowState) -> AsyncGenerator[TokenChunk, None]:
-        """Iterate a worker's streaming generator with a deadline per chunk; cancel it if we stop early."""
-        finished = False
+    async def _stream(
+        self, worker: Member, sub: Subscription, state: FlowState
+    ) -> AsyncGenerator[TokenChunk, None]:
+        """The request's chunks from ``worker``'s stream: every output that arrived, merged."""
         try:
             while True:
-                try:
-                    ref = await deadline(gen.__anext__(), self.timeout_s, f"stream from {worker.key}")
-                except StopAsyncIteration:
-                    return
-                chunk: TokenChunk = await deadline(ref, self.timeout_s, f"chunk from {worker.key}")
-                # Mark the end before yielding it: the consumer may close us right there.
-                finished = chunk.finished
-                yield chunk
-                if finished:
+                items = await sub.next(self.timeout_s)
+                chunk = _merge(items)
+                if chunk.token_ids or chunk.finished:
+                    yield chunk
+                if chunk.finished:
                     return
         except ray.exceptions.RayActorError:
-            self._dead(worker)
-            state.dead.add(worker.key)
+            self._dead(worker, state)
             raise
-        finally:
-            if not finished:
-                _cancel(gen)
+
+    def _dead(self, member: Member, state: FlowState) -> None:
+        state.dead.add(member.key)
+        self.coordinator.report_failure.remote(member.key, member.epoch)
 
 
-def _cancel(ref: Any) -> None:
-    """Cancel a worker's task, but not the calls it made itself (a lease release to P, ...)."""
+def _merge(items: list[RequestOutput]) -> TokenChunk:
+    """One chunk from consecutive outputs of a request; an error output raises its typed error."""
+    if len(items) == 1:
+        item = items[0]
+        item.raise_error()
+        return TokenChunk(item.token_ids, item.logprobs, item.finish_reason)
+    chunk = TokenChunk([])
+    for item in items:
+        item.raise_error()
+        chunk.token_ids.extend(item.token_ids)
+        if item.logprobs is not None:
+            chunk.logprobs = [*(chunk.logprobs or []), *item.logprobs]
+        chunk.finish_reason = item.finish_reason
+        if item.finished:
+            break
+    return chunk
+
+
+def _lp(logprob: float | None) -> list[float] | None:
+    return [logprob] if logprob is not None else None
+
+
+def _forget(ref: Any) -> None:
+    """Stop a worker's call we no longer wait for, without logging its (expected) error later."""
     ray.cancel(ref, recursive=False)
-
-
-def _first_chunk(token: int, logprob: float | None, finish_reason: str | None) -> TokenChunk:
-    return TokenChunk(
-        token_ids=[token],
-        logprobs=[logprob] if logprob is not None else None,
-        finished=finish_reason is not None,
-        finish_reason=finish_reason,
-    )
-
-
-def _handoff(state: FlowState, chunk: TokenChunk, prefill_done_unix: float) -> None:
-    """The first decode chunk carries D's timings: derive the handoff overhead from them.
-
-    handoff = D accepts the request for decoding - P finished prefill - raw transfer time, split
-    into the trip from P through the caller to D (``handoff_rpc_s``) and D's own work around the
-    transfer (reserve, plan, release, hand-over: ``handoff_local_s``).
-    """
-    t = chunk.timings
-    if not t or "decode_start_unix" not in t or "handoff_s" in state.timings:
-        return
-    read_s = t.get("transfer_s", 0.0)  # READ: D's read, between entering and accepting
-    raw_s = read_s + t.get("push_wait_s", 0.0)  # WRITE: P's wait for its pushes, before returning
-    state.timings.update({k: v for k, v in t.items() if not k.endswith("_unix")})
-    total_s = max(0.0, t["decode_start_unix"] - prefill_done_unix - raw_s)
-    state.timings["handoff_s"] = total_s
-    if "decode_enter_unix" in t:
-        local_s = max(0.0, t["decode_start_unix"] - t["decode_enter_unix"] - read_s)
-        state.timings["handoff_local_s"] = local_s
-        state.timings["handoff_rpc_s"] = max(0.0, total_s - local_s)
-
-
-def _with_max_tokens(params: Any, max_tokens: int) -> Any:
-    return msgspec.structs.replace(params, max_tokens=max_tokens)
+    with contextlib.suppress(Exception):
+        ref.future().add_done_callback(lambda f: f.cancelled() or f.exception())

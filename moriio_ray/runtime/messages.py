@@ -1,4 +1,8 @@
-"""Messages between the pipeline, the coordinator and the workers (msgspec Structs; they pickle for Ray)."""
+"""Messages between the caller, the coordinator and the workers.
+
+msgspec Structs: they pickle for Ray, and the output stream sends them as msgpack bytes. This module
+imports neither torch nor Ray, so that the Serve ingress and the coordinator stay light.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ from typing import Any
 
 import msgspec
 
+from moriio_ray import errors
 from moriio_ray.engine.sampling import SamplingParams
 from moriio_ray.transfer.desc import EngineDesc, MemoryDesc
 from moriio_ray.transfer.layout import KVLayout
@@ -23,22 +28,22 @@ class WorkerInfo(msgspec.Struct, frozen=True, kw_only=True):
     """What a worker publishes once ready (the coordinator puts it in the object store)."""
 
     key: str
-    role: str
+    role: Role
     epoch: int
-    node_id: str
-    host: str
-    pid: int
-    backend: str
-    engine_desc: EngineDesc
+    engine_desc: EngineDesc  # node, host, pid and backend live here, once
     kv_mem: MemoryDesc | None
     layout: KVLayout
     max_model_len: int
-    num_blocks: int
+    vocab_size: int
     same_host_only: bool
+
+    @property
+    def pid(self) -> int:
+        return self.engine_desc.pid
 
 
 class GenRequest(msgspec.Struct, frozen=True, kw_only=True):
-    """One tokenized request."""
+    """One tokenized, validated request (``PDPipeline.make_request`` builds it, seed drawn)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -51,15 +56,14 @@ class KVHandle(msgspec.Struct, frozen=True, kw_only=True):
     transfer_id: str
     engine_key: str
     epoch: int
-    block_ids: list[int]
+    block_ids: list[int]  # empty when the first token already ended the request (nothing leased)
     num_tokens: int
     first_token: int
     first_logprob: float | None
     lease_deadline_unix: float
     prefill_done_unix: float
     prefill_s: float
-    finished: bool = False  # the first token already ended the request (EOS, stop, max_tokens == 1)
-    finish_reason: str | None = None
+    finish_reason: str | None = None  # set: the first token already ended the request
 
 
 class Reservation(msgspec.Struct, frozen=True, kw_only=True):
@@ -83,18 +87,81 @@ class PushResult(msgspec.Struct, frozen=True, kw_only=True):
     push_wait_s: float  # time P waited for pushes after the last layer was computed
     num_bytes: int
     num_segments: int
-    finished: bool = False
     finish_reason: str | None = None
 
 
-class TokenChunk(msgspec.Struct, kw_only=True):
-    """A piece of a request's output stream."""
+Handoff = KVHandle | PushResult  # what P hands to D
 
+
+class DecodeStart(msgspec.Struct, frozen=True, kw_only=True):
+    """What ``decode`` returns once the request decodes on D (its tokens follow on the stream)."""
+
+    handoff_unix: float  # P's result reached D
+    decode_start_unix: float  # the request joined D's batch
+    transfer_s: float = 0.0  # READ: D's KV read
+    transfer_bytes: int = 0
+    transfer_segments: int = 0
+    recomputed: bool = False  # the read failed or ran late and D computed the prompt itself
+
+
+class RequestOutput(msgspec.Struct, array_like=True):
+    """New tokens of one request (or its end, or its error) on a worker's output stream."""
+
+    request_id: str
     token_ids: list[int]
     logprobs: list[float] | None = None
-    finished: bool = False
-    finish_reason: str | None = None
-    timings: dict[str, float] | None = None  # on the last chunk, or the first decode chunk
+    finish_reason: str | None = None  # set on the last output of a request
+    error: tuple[str, str] | None = None  # (typed error class name, message): the request failed
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+    def raise_error(self) -> None:
+        if self.error is not None:
+            raise error_from(*self.error)
+
+
+class OutputBatch(msgspec.Struct, array_like=True):
+    """One message of a (caller, worker) output stream: every output ready for that caller."""
+
+    items: list[RequestOutput]
+
+
+def error_from(type_name: str, message: str) -> errors.MoriioRayError:
+    """The typed error a worker reported by class name (MoriioRayError for an unknown name)."""
+    cls = getattr(errors, type_name, None)
+    if isinstance(cls, type) and issubclass(cls, errors.MoriioRayError):
+        return cls(message)
+    return errors.MoriioRayError(f"{type_name}: {message}")
+
+
+class Timings(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Where one request's time went, in seconds (None: not measured on this path)."""
+
+    ttft_s: float | None = None  # the caller's send -> first token
+    total_s: float | None = None  # the caller's send -> last token
+    prefill_s: float | None = None  # P: prefill admitted -> first token sampled
+    transfer_s: float | None = None  # READ: D's KV read
+    transfer_bytes: int | None = None
+    transfer_segments: int | None = None
+    push_wait_s: float | None = None  # WRITE: P waiting for its pushes after the last layer
+    handoff_s: float | None = None  # P's first token -> D decoding, less the raw transfer
+    handoff_rpc_s: float | None = None  # of which: P's result travelling to D
+    handoff_local_s: float | None = None  # of which: D's own work around the transfer
+    recomputed: bool = False
+
+    def add_handoff(self, prefill_done_unix: float, start: DecodeStart) -> None:
+        """Split the time between P's first token and D's first step into its parts."""
+        raw_s = start.transfer_s + (self.push_wait_s or 0.0)
+        self.handoff_s = max(0.0, start.decode_start_unix - prefill_done_unix - raw_s)
+        self.handoff_local_s = max(0.0, start.decode_start_unix - start.handoff_unix - start.transfer_s)
+        self.handoff_rpc_s = max(0.0, self.handoff_s - self.handoff_local_s)
+        if start.transfer_bytes:
+            self.transfer_s = start.transfer_s
+            self.transfer_bytes = start.transfer_bytes
+            self.transfer_segments = start.transfer_segments
+        self.recomputed = start.recomputed
 
 
 @dataclass
@@ -121,7 +188,4 @@ class Membership:
         return [m for m in self.members if m.role == role]
 
     def find(self, key: str) -> Member | None:
-        for m in self.members:
-            if m.key == key:
-                return m
-        return None
+        return next((m for m in self.members if m.key == key), None)

@@ -34,40 +34,12 @@ from moriio_ray.runtime import coordinator as coord
 from moriio_ray.runtime.bgloop import BackgroundLoop
 from moriio_ray.runtime.detok import IncrementalText
 from moriio_ray.runtime.flows import Flows, FlowState
-from moriio_ray.runtime.messages import GenRequest
+from moriio_ray.runtime.messages import GenRequest, Timings
+from moriio_ray.runtime.results import GenerationResult, StreamEvent
 from moriio_ray.runtime.router import Router
+from moriio_ray.runtime.streams import OutputStreams
 
 log = logging.getLogger(__name__)
-
-
-class StreamEvent(msgspec.Struct, kw_only=True):
-    """One piece of a streamed request."""
-
-    request_id: str
-    token_ids: list[int]
-    text: str
-    finished: bool = False
-    finish_reason: str | None = None
-    logprobs: list[float] | None = None
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
-    timings: dict[str, float] | None = None  # on the last event
-    prefill_worker: str | None = None
-    decode_worker: str | None = None
-
-
-class GenerationResult(msgspec.Struct, kw_only=True):
-    """A finished request."""
-
-    request_id: str
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None
-    num_prompt_tokens: int
-    logprobs: list[float] | None = None
-    timings: dict[str, float] = msgspec.field(default_factory=dict)
-    prefill_worker: str | None = None
-    decode_worker: str | None = None
 
 
 class PDPipeline:
@@ -84,6 +56,8 @@ class PDPipeline:
         self._bg: BackgroundLoop | None = None
         self._watch: asyncio.Task[None] | None = None
         self._watch_loop: asyncio.AbstractEventLoop | None = None
+        # one set of output streams per event loop (their pumps and queues belong to it)
+        self._streams: dict[asyncio.AbstractEventLoop, OutputStreams] = {}
 
     # -- creation -------------------------------------------------------------------------------
 
@@ -95,13 +69,16 @@ class PDPipeline:
         cfg = _as_config(config)
         _ensure_ray()
         actor = coord.get_or_create(cfg, detached=detached)
-        running: PipelineConfig = ray.get(actor.get_config.remote())
+        running: PipelineConfig = ray.get(actor.get_config.remote(), timeout=cfg.runtime.remote_timeout_s)
         if running != cfg:
             raise ConfigError(
                 f"name: a pipeline named {cfg.name!r} already runs with another config; shut it down "
                 "or choose another name"
             )
-        ray.get(actor.start.remote())
+        # the coordinator bounds each worker's start by worker_start_timeout_s; this bounds the whole
+        ray.get(
+            actor.start.remote(), timeout=cfg.runtime.worker_start_timeout_s + cfg.runtime.remote_timeout_s
+        )
         pipe = cls(actor, cfg)
         pipe._sync(pipe._refresh())
         return pipe
@@ -191,6 +168,7 @@ class PDPipeline:
             yield event
 
     async def stream_request(self, req: GenRequest) -> AsyncIterator[StreamEvent]:
+        """Stream a request made by ``make_request``; closing the iterator cancels it everywhere."""
         self._ensure_watch()
         if self.router.membership.version < 0:
             await self._refresh()
@@ -200,39 +178,50 @@ class PDPipeline:
         last_s = t0
         mode = self.config.mode
         n_out = 0
-        # aclosing: closing this stream closes the flow at once (cancels the workers' streams).
-        async with contextlib.aclosing(self.flows.run(req, state)) as chunks:
+        # aclosing: closing this stream closes the flow at once (the workers abort the request).
+        async with contextlib.aclosing(self.flows.run(req, state, self._output_streams())) as chunks:
             async for chunk in chunks:
                 now = time.perf_counter()
                 if n_out == 0:
-                    state.timings["ttft_s"] = now - t0
+                    state.timings.ttft_s = now - t0
                     metrics.record_ttft(now - t0, mode=mode)
                 elif chunk.token_ids:
                     metrics.record_itl((now - last_s) / len(chunk.token_ids), mode=mode)
                 last_s = now
                 n_out += len(chunk.token_ids)
                 delta = text.add(chunk.token_ids, final=chunk.finished)
-                if chunk.finished:
-                    state.timings["total_s"] = now - t0
-                    if "handoff_s" in state.timings:
+                reason = "stop" if text.stopped and not chunk.finished else chunk.finish_reason
+                finished = reason is not None
+                if finished:
+                    state.timings.total_s = now - t0
+                    if state.timings.handoff_s is not None:
                         metrics.record_handoff(
-                            state.timings["handoff_s"], backend=self.config.transfer.backend, mode=mode
+                            state.timings.handoff_s, backend=self.config.transfer.backend, mode=mode
                         )
                 yield StreamEvent(
                     request_id=req.request_id,
                     token_ids=chunk.token_ids,
                     text=delta,
-                    finished=chunk.finished,
-                    finish_reason=chunk.finish_reason,
+                    finished=finished,
+                    finish_reason=reason,
                     logprobs=chunk.logprobs,
                     num_prompt_tokens=len(req.prompt_token_ids),
                     num_output_tokens=n_out,
-                    timings=dict(state.timings) if chunk.finished else None,
+                    timings=state.timings if finished else None,
                     prefill_worker=state.prefill_key,
                     decode_worker=state.decode_key,
                 )
-                if chunk.finished:
+                if finished:
                     return
+
+    def _output_streams(self) -> OutputStreams:
+        loop = asyncio.get_running_loop()
+        streams = self._streams.get(loop)
+        if streams is None:
+            for old in [lp for lp in self._streams if lp.is_closed()]:
+                del self._streams[old]
+            streams = self._streams[loop] = OutputStreams()
+        return streams
 
     async def generate_async(
         self,
@@ -251,7 +240,7 @@ class PDPipeline:
             ids.extend(event.token_ids)
             text.append(event.text)
             if event.logprobs is not None:
-                logprobs = [*(logprobs or []), *event.logprobs]
+                logprobs = (logprobs or []) + event.logprobs
             last = event
         assert last is not None and last.finished
         return GenerationResult(
@@ -261,7 +250,7 @@ class PDPipeline:
             finish_reason=last.finish_reason,
             num_prompt_tokens=len(req.prompt_token_ids),
             logprobs=logprobs,
-            timings=last.timings or {},
+            timings=last.timings or Timings(),
             prefill_worker=last.prefill_worker,
             decode_worker=last.decode_worker,
         )
@@ -323,6 +312,9 @@ class PDPipeline:
         """Stop every worker and the coordinator."""
         if self._watch is not None and self._watch_loop is not None and not self._watch_loop.is_closed():
             self._watch_loop.call_soon_threadsafe(self._watch.cancel)
+        for loop, streams in self._streams.items():
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(streams.close)
         try:
             ray.get(self.coordinator.shutdown.remote(), timeout=60)
         finally:

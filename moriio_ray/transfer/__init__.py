@@ -1,23 +1,29 @@
-"""Transfer agents. ``create_agent`` imports a backend only when it is chosen."""
+"""Transfer agents. ``create_agent`` imports a backend only when it is chosen.
+
+Importing this package loads no backend and no torch: the descriptors, layouts and plans it
+re-exports load on first use (``moriio_ray.transfer.EngineDesc`` imports ``transfer.desc`` then).
+"""
 
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING, Any
 
 from moriio_ray.config import BACKENDS, TransferConfig
 from moriio_ray.errors import ConfigError
-from moriio_ray.transfer.base import (
-    EngineDesc,
-    FutureTransfer,
-    MemoryDesc,
-    Transfer,
-    TransferAgent,
-    decode_engine_desc,
-    decode_memory_desc,
-    encode_desc,
-)
-from moriio_ray.transfer.layout import BLOCK_MAJOR, LAYER_MAJOR, KVLayout
-from moriio_ray.transfer.plan import TransferPlan, plan_blocks
+
+if TYPE_CHECKING:
+    from moriio_ray.transfer.base import TransferAgent
+    from moriio_ray.transfer.desc import (
+        EngineDesc,
+        MemoryDesc,
+        decode_engine_desc,
+        decode_memory_desc,
+        encode_desc,
+    )
+    from moriio_ray.transfer.handle import FutureTransfer, Transfer
+    from moriio_ray.transfer.layout import BLOCK_MAJOR, LAYER_MAJOR, KVLayout
+    from moriio_ray.transfer.plan import TransferPlan, plan_blocks
 
 # backend name -> "module:Class", imported on first use
 _REGISTRY: dict[str, str] = {
@@ -27,6 +33,23 @@ _REGISTRY: dict[str, str] = {
     "mori": "moriio_ray.transfer.mori:MoriAgent",
 }
 assert tuple(_REGISTRY) == BACKENDS
+
+# re-exported name -> the module that defines it, imported on first use
+_EXPORTS: dict[str, str] = {
+    "TransferAgent": "moriio_ray.transfer.base",
+    "EngineDesc": "moriio_ray.transfer.desc",
+    "MemoryDesc": "moriio_ray.transfer.desc",
+    "decode_engine_desc": "moriio_ray.transfer.desc",
+    "decode_memory_desc": "moriio_ray.transfer.desc",
+    "encode_desc": "moriio_ray.transfer.desc",
+    "FutureTransfer": "moriio_ray.transfer.handle",
+    "Transfer": "moriio_ray.transfer.handle",
+    "BLOCK_MAJOR": "moriio_ray.transfer.layout",
+    "LAYER_MAJOR": "moriio_ray.transfer.layout",
+    "KVLayout": "moriio_ray.transfer.layout",
+    "TransferPlan": "moriio_ray.transfer.plan",
+    "plan_blocks": "moriio_ray.transfer.plan",
+}
 
 
 def agent_class(backend: str) -> type[TransferAgent]:
@@ -52,6 +75,15 @@ def create_agent(
     return agent_class(config.backend)(config, key, epoch=epoch, token=token)
 
 
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'moriio_ray.transfer' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
 __all__ = [
     "BLOCK_MAJOR",
     "LAYER_MAJOR",
@@ -70,3 +102,4 @@ __all__ = [
     "encode_desc",
     "plan_blocks",
 ]
+assert set(__all__) == {*_EXPORTS, "TransferConfig", "agent_class", "create_agent"}

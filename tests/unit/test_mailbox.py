@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from moriio_ray.errors import DeadlineExceeded, RequestCancelled
-from moriio_ray.runtime.mailbox import Mailbox
+from moriio_ray.worker.mailbox import Mailbox
 
 
 @pytest.mark.timeout(10)

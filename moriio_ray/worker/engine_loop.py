@@ -1,7 +1,12 @@
-"""One engine thread per worker: it owns the engine, steps it, and hands outputs to asyncio.
+"""One engine thread per worker: it owns the engine, steps it, and hands each step's outputs over.
 
-The engine is not thread-safe, so every engine call goes through ``call`` and runs on the engine
-thread between steps. Outputs of each step go to per-request asyncio queues on the worker's loop.
+The engine is not thread-safe, so every engine call goes through ``call`` (run on the engine thread
+between steps) or ``call_now`` (run right here when the engine is idle and its lock is free). Each
+step's outputs reach the asyncio loop in one ``call_soon_threadsafe``: the worker's ``on_outputs``
+groups them by caller, so a step costs one hop however many requests it advanced.
+
+Threads: the engine thread runs ``_run`` (steps, calls, lease sweeps); everything else here runs on
+the worker's asyncio loop.
 """
 
 from __future__ import annotations
@@ -14,28 +19,38 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from moriio_ray.engine.engine import Engine, StepOutput
+from moriio_ray.engine.engine import Engine
+from moriio_ray.engine.outputs import StepOutput
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _SWEEP_PERIOD_S = 0.25
 
+OnOutputs = Callable[[list[StepOutput]], None]
+OnFailure = Callable[[BaseException], None]
+
 
 class EngineLoop:
     """Runs ``engine.step()`` on a thread while there is work; serves calls in between."""
 
-    def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        loop: asyncio.AbstractEventLoop,
+        on_outputs: OnOutputs,
+        on_failure: OnFailure,
+    ) -> None:
         self.engine = engine
         self._loop = loop
+        self._on_outputs = on_outputs
+        self._on_failure = on_failure
         self._calls: queue.SimpleQueue[tuple[Callable[[], Any], asyncio.Future[Any] | None] | None] = (
             queue.SimpleQueue()
         )
-        self._subscribers: dict[str, asyncio.Queue[StepOutput | BaseException]] = {}
         self._step_waiters: list[asyncio.Future[None]] = []
         self._stop = threading.Event()
         self._last_sweep_s = 0.0
-        self.num_steps = 0
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
@@ -45,7 +60,7 @@ class EngineLoop:
     async def call(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` on the engine thread and return its result (or raise its error)."""
         if self._stop.is_set():
-            raise RuntimeError("engine loop is stopped")
+            raise RuntimeError(f"engine loop is stopped: {self.error!r}")
         fut: asyncio.Future[T] = self._loop.create_future()
         self._calls.put((fn, fut))
         return await fut
@@ -63,14 +78,10 @@ class EngineLoop:
                 self._calls.put(None)
         return await self.call(fn)
 
-    def subscribe(self, request_id: str) -> asyncio.Queue[StepOutput | BaseException]:
-        """A queue of the request's step outputs (an exception instead if the engine loop fails)."""
-        q: asyncio.Queue[StepOutput | BaseException] = asyncio.Queue()
-        self._subscribers[request_id] = q
-        return q
-
-    def unsubscribe(self, request_id: str) -> None:
-        self._subscribers.pop(request_id, None)
+    def post(self, fn: Callable[[], Any]) -> None:
+        """Run ``fn`` on the engine thread without waiting (its exception is logged)."""
+        if not self._stop.is_set():
+            self._calls.put((fn, None))
 
     async def next_step(self) -> None:
         """Wait until the engine finishes one more step (blocks may have been freed)."""
@@ -78,24 +89,6 @@ class EngineLoop:
         fut: asyncio.Future[None] = self._loop.create_future()
         self._step_waiters.append(fut)
         await fut
-
-    def post(self, fn: Callable[[], Any], on_error: Callable[[BaseException], Any] | None = None) -> None:
-        """Run ``fn`` on the engine thread without waiting; ``on_error`` (called on the event loop)
-        receives its exception, else the exception is logged."""
-        if self._stop.is_set():
-            return
-        if on_error is None:
-            self._calls.put((fn, None))
-            return
-        fut: asyncio.Future[Any] = self._loop.create_future()
-
-        def report(f: asyncio.Future[Any]) -> None:
-            exc = None if f.cancelled() else f.exception()
-            if exc is not None:
-                on_error(exc)
-
-        fut.add_done_callback(report)
-        self._calls.put((fn, fut))
 
     def stop(self, timeout_s: float = 5.0) -> None:
         self._stop.set()
@@ -117,15 +110,25 @@ class EngineLoop:
                 self._maybe_sweep()
                 if self.engine.has_work():
                     outputs = self.engine.step()
-                    self.num_steps += 1
                     self._loop.call_soon_threadsafe(self._dispatch, outputs)
                 elif self._step_waiters:
                     self._loop.call_soon_threadsafe(self._dispatch, [])
-            except BaseException as exc:  # an engine bug must not hang every request
+            except BaseException as exc:  # an engine fault must not hang every request
                 log.exception("engine loop failed")
                 self.error = exc
-                self._loop.call_soon_threadsafe(self._fail_all, exc)
                 self._stop.set()
+                self._drain_calls(exc)
+                self._loop.call_soon_threadsafe(self._fail, exc)
+
+    def _drain_calls(self, exc: BaseException) -> None:
+        """After a fault: every call still queued fails with it (none waits for its deadline)."""
+        while True:
+            try:
+                item = self._calls.get_nowait()
+            except queue.Empty:
+                return
+            if item is not None and item[1] is not None:
+                self._loop.call_soon_threadsafe(_set_exception, item[1], exc)
 
     def _serve_calls(self, *, block: bool) -> None:
         timeout_s = _SWEEP_PERIOD_S if block else 0.0
@@ -157,23 +160,22 @@ class EngineLoop:
             if expired:
                 log.warning("freed %d expired leases: %s", len(expired), expired[:8])
 
+    # -- back on the asyncio loop ---------------------------------------------------------------
+
     def _dispatch(self, outputs: list[StepOutput]) -> None:
-        for out in outputs:
-            q = self._subscribers.get(out.request_id)
-            if q is not None:
-                q.put_nowait(out)
+        if outputs:
+            self._on_outputs(outputs)
         waiters, self._step_waiters = self._step_waiters, []
         for fut in waiters:
             if not fut.done():
                 fut.set_result(None)
 
-    def _fail_all(self, exc: BaseException) -> None:
-        for q in self._subscribers.values():
-            q.put_nowait(exc)
+    def _fail(self, exc: BaseException) -> None:
         for fut in self._step_waiters:
             if not fut.done():
                 fut.set_exception(exc)
         self._step_waiters = []
+        self._on_failure(exc)
 
 
 def _set_result(fut: asyncio.Future[Any], value: Any) -> None:

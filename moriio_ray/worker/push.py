@@ -51,7 +51,6 @@ class LayerPusher:
         self.error: BaseException | None = None
         self.num_bytes = 0
         self.num_segments = 0
-        self.last_layer_s: float | None = None
         self._plan: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self._strides = (layer_stride_bytes(local_layout), layer_stride_bytes(peer.layout))
 
@@ -82,7 +81,6 @@ class LayerPusher:
             self.transfers.append(xfer)
             self.num_bytes += xfer.num_bytes
             self.num_segments += xfer.num_segments
-            self.last_layer_s = time.perf_counter()
         except BaseException as exc:
             self.error = exc
 

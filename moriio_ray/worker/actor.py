@@ -1,0 +1,188 @@
+"""The engine worker: a plain class (tests drive it without Ray) and its Ray actor shell.
+
+Each method is a line or two over the parts it composes: ``WorkerCore`` (engine, agent, loop,
+requests, output streams), ``PrefillSide`` on a prefill worker, ``DecodeSide`` on a decode worker.
+Tokens never travel as the return value of a request's call: they go to the caller's output
+stream (``outputs``), one message per engine step for all of that caller's requests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from moriio_ray import metrics
+from moriio_ray.config import PipelineConfig
+from moriio_ray.errors import InvalidRequest
+from moriio_ray.runtime.messages import (
+    DecodeStart,
+    GenRequest,
+    Handoff,
+    KVHandle,
+    Member,
+    PushResult,
+    Reservation,
+    Role,
+    WorkerInfo,
+)
+from moriio_ray.worker.core import WorkerCore
+from moriio_ray.worker.decode import DecodeSide
+from moriio_ray.worker.prefill import PrefillSide
+
+
+class EngineWorker:
+    """One engine and its agent, in one of three roles. Every method is safe to call concurrently."""
+
+    def __init__(
+        self,
+        config: PipelineConfig,
+        role: str,
+        key: str,
+        *,
+        epoch: int = 1,
+        token: bytes | None = None,
+        coordinator: Any = None,
+    ) -> None:
+        self.role = Role(role)
+        self.core = WorkerCore(config, self.role, key, epoch=epoch, token=token, coordinator=coordinator)
+        self._prefill = PrefillSide(self.core) if self.role is Role.PREFILL else None
+        self._decode = DecodeSide(self.core) if self.role is Role.DECODE else None
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    async def ready(self) -> WorkerInfo:
+        """Start the engine loop, capture the decode CUDA graphs, and describe this worker."""
+        c = self.core
+        await c.loop.call(c.engine.capture_graphs)
+        return WorkerInfo(
+            key=c.key,
+            role=self.role,
+            epoch=c.epoch,
+            engine_desc=c.agent.engine_desc(),
+            kv_mem=c.engine.kv_mem,
+            layout=c.engine.layout,
+            max_model_len=c.engine.max_model_len,
+            vocab_size=c.engine.args.vocab_size,
+            same_host_only=c.agent.same_host_only,
+        )
+
+    async def check_health(self) -> bool:
+        error = self.core.loop.error
+        if error is not None:
+            raise RuntimeError(f"engine loop of {self.core.key} failed: {error!r}")
+        return True
+
+    async def update_members(self, members: list[Member]) -> None:
+        """The coordinator's membership push: connect eagerly to the peers this role talks to."""
+        other = {Role.PREFILL: {Role.DECODE.value}, Role.DECODE: {Role.PREFILL.value}}
+        await self.core.peers.add_members(members, roles=other.get(self.role, set()))
+
+    async def peer_lost(self, key: str, epoch: int) -> None:
+        """A peer died: drop it and fail its in-flight transfers with PeerLost."""
+        self.core.peers.lost(key, epoch)
+
+    async def stats(self) -> dict[str, Any]:
+        c = self.core
+        stats: dict[str, Any] = await c.loop.call(c.engine.stats)
+        metrics.set_blocks(stats["num_free_blocks"], stats["num_leased_blocks"], worker=c.key, role=self.role)
+        reserved = sum(rec.reservation is not None for rec in c.table.records())
+        return {
+            "key": c.key,
+            "role": self.role.value,
+            "epoch": c.epoch,
+            "device": str(c.engine.device),
+            "num_graphs": len(c.engine.graphs.graphs) if c.engine.graphs is not None else 0,
+            "num_graph_replays": c.engine.graphs.num_replays if c.engine.graphs is not None else 0,
+            "live_requests": len(c.table),
+            "pending_reservations": reserved,
+            **stats,
+            **c.counters,
+        }
+
+    async def debug_inject_delay(self, delay_s: float) -> None:
+        """Test hook: this worker's transfers report completion only ``delay_s`` after issue."""
+        self.core.agent.inject_delay(delay_s)
+
+    async def shutdown(self) -> None:
+        await self.core.shutdown()
+
+    # -- every role -----------------------------------------------------------------------------
+
+    async def outputs(self, caller: str) -> AsyncIterator[bytes]:
+        """The caller's output stream (msgpack ``OutputBatch`` items); ends after a period, and
+        the caller opens the next one."""
+        async for item in self.core.outputs(caller):
+            yield item
+
+    async def abort(self, request_id: str) -> None:
+        """Cancel a request: free its blocks, lease and reservation at once, wherever it is."""
+        await self.core.abort(request_id)
+
+    # -- colocated ------------------------------------------------------------------------------
+
+    async def generate(self, req: GenRequest, caller: str) -> None:
+        """Colocated: admit the request; its tokens go to ``caller``'s output stream."""
+        c = self._role(Role.COLOCATED).core
+        rec = c.table.open(req.request_id, caller)
+        c.counters["requests"] += 1
+        try:
+            await c.loop.call_now(
+                lambda: c.engine.add_request(req.request_id, req.prompt_token_ids, req.params)
+            )
+        except BaseException:
+            c.table.close(rec)
+            raise
+
+    # -- prefill --------------------------------------------------------------------------------
+
+    async def prefill(self, req: GenRequest, deliver_to: Any = None) -> KVHandle:
+        """READ: prefill, lease the prompt's blocks, hand the handle to ``deliver_to`` (D) and return it."""
+        return await self._side_p().prefill(req, deliver_to)
+
+    async def prefill_push(
+        self, req: GenRequest, reservation: Reservation, deliver_to: Any = None
+    ) -> PushResult:
+        """WRITE: prefill while pushing each layer into D's reservation; hand the result to D."""
+        return await self._side_p().prefill_push(req, reservation, deliver_to)
+
+    async def release(self, transfer_id: str) -> bool:
+        """D has read a lease (or given up on it): free P's blocks now."""
+        return await self._side_p().release(transfer_id)
+
+    # -- decode ---------------------------------------------------------------------------------
+
+    async def reserve(self, req: GenRequest) -> Reservation:
+        """WRITE: reserve blocks for P to push the prompt's KV into."""
+        return await self._side_d().reserve(req)
+
+    async def decode(self, req: GenRequest, caller: str) -> DecodeStart:
+        """Wait for P's hand-over, bring the KV in, join the batch; tokens go to ``caller``'s stream."""
+        return await self._side_d().decode(req, caller)
+
+    async def deliver(self, request_id: str, source: Handoff) -> None:
+        """P hands over its prefill result for a decode that waits here (or will)."""
+        await self._side_d().deliver(request_id, source)
+
+    # -- role checks ----------------------------------------------------------------------------
+
+    def _role(self, role: Role) -> EngineWorker:
+        if self.role is not role:
+            raise InvalidRequest(f"worker {self.core.key} is a {self.role.value} worker, not {role.value}")
+        return self
+
+    def _side_p(self) -> PrefillSide:
+        if self._prefill is None:
+            raise InvalidRequest(f"worker {self.core.key} is a {self.role.value} worker, not prefill")
+        return self._prefill
+
+    def _side_d(self) -> DecodeSide:
+        if self._decode is None:
+            raise InvalidRequest(f"worker {self.core.key} is a {self.role.value} worker, not decode")
+        return self._decode
+
+
+def make_actor_class() -> Any:
+    """The Ray actor of EngineWorker (built lazily so that importing this module needs no Ray)."""
+    import ray
+
+    return ray.remote(EngineWorker)

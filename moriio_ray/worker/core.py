@@ -1,0 +1,247 @@
+"""What every worker has: its engine, agent, engine loop, peers, request table and output streams.
+
+``WorkerCore`` also routes each step's outputs (``on_outputs``: a prefill's result to the call
+waiting for it, tokens to their caller's stream), aborts requests, quarantines blocks that a late
+transfer may still write, and notices callers that are gone. The role parts (``PrefillSide``,
+``DecodeSide``) and the actor shell (``EngineWorker``) are built on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any
+
+from moriio_ray import env
+from moriio_ray.config import PipelineConfig
+from moriio_ray.engine.engine import Engine
+from moriio_ray.engine.outputs import StepOutput
+from moriio_ray.errors import ConfigError, DeadlineExceeded, MoriioRayError, RequestCancelled
+from moriio_ray.runtime.messages import GenRequest, Handoff, KVHandle, RequestOutput, Role
+from moriio_ray.transfer import create_agent
+from moriio_ray.transfer.handle import Transfer
+from moriio_ray.worker.engine_loop import EngineLoop
+from moriio_ray.worker.mailbox import Mailbox
+from moriio_ray.worker.outputs import STREAM_PERIOD_S, OutputHub
+from moriio_ray.worker.peers import PeerDirectory
+from moriio_ray.worker.requests import RequestTable, WorkerRequest
+
+log = logging.getLogger(__name__)
+
+
+class WorkerCore:
+    """One engine and its agent (asyncio thread, except where a method says otherwise)."""
+
+    def __init__(
+        self,
+        config: PipelineConfig,
+        role: Role,
+        key: str,
+        *,
+        epoch: int,
+        token: bytes | None,
+        coordinator: Any,
+    ) -> None:
+        self.config = config
+        self.role = role
+        self.key = key
+        self.epoch = epoch
+        logging.getLogger("moriio_ray").setLevel(env.log_level())
+        _prepare_device(config, role)
+        if config.transfer.backend == "shm":
+            # A worker killed with SIGKILL leaves its segments behind; its replacement (same node)
+            # removes every segment whose owner process is gone.
+            from moriio_ray.transfer.shm_segment import sweep_stale_segments
+
+            swept = sweep_stale_segments()
+            if swept:
+                log.warning("removed %d shared-memory segments of dead workers", len(swept))
+        self.agent = create_agent(config.transfer, key, epoch=epoch, token=token)
+        self.engine = Engine(
+            config.model,
+            config.engine,
+            role=role.value,
+            agent=self.agent,
+            lease_grace_s=config.transfer.lease_grace_s,
+            lease_s=config.transfer.kv_lease_s,
+            cuda_graphs=config.engine.cuda_graphs,
+        )
+        if self.engine.kv_mem is None:
+            raise ConfigError("engine: the KV cache was not registered with the transfer agent")
+        self.peers = PeerDirectory(self.agent, coordinator, config.runtime.remote_timeout_s)
+        self.table = RequestTable(mark_ttl_s=config.runtime.remote_timeout_s)
+        self.hub = OutputHub()
+        self.mailbox: Mailbox[Handoff] = Mailbox()
+        self.counters: dict[str, int] = {
+            "requests": 0,
+            "transfers": 0,
+            "transfer_bytes": 0,
+            "transfer_failures": 0,
+            "recomputes": 0,
+            "cancelled": 0,
+        }
+        self._loop: EngineLoop | None = None
+        self._background: set[asyncio.Future[Any]] = set()
+        self._closed = False
+
+    @property
+    def loop(self) -> EngineLoop:
+        if self._loop is None:
+            self._loop = EngineLoop(self.engine, asyncio.get_running_loop(), self.on_outputs, self.on_fault)
+            self.spawn(self._watch_callers())
+        return self._loop
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        """Run ``coro`` in the background; it is kept alive and its failure logged."""
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
+    # -- outputs (asyncio thread, once per engine step) -----------------------------------------
+
+    def on_outputs(self, outputs: list[StepOutput]) -> None:
+        for out in outputs:
+            rec = self.table.by_engine(out.request_id)
+            if rec is None:
+                continue  # aborted meanwhile
+            if rec.prefill_out is not None:
+                if not rec.prefill_out.done():
+                    rec.prefill_out.set_result(out)
+                continue
+            if rec.caller is None:
+                continue
+            self.hub.push(
+                rec.caller,
+                RequestOutput(rec.request_id, out.new_token_ids, out.logprobs, out.finish_reason),
+            )
+            if out.finished:
+                self.table.close(rec)
+
+    def on_fault(self, exc: BaseException) -> None:
+        """The engine failed: every request on this worker ends with the error (none hangs)."""
+        reason = f"engine of {self.key} failed: {exc!r}"
+        for rec in self.table.records():
+            if rec.prefill_out is not None:
+                if not rec.prefill_out.done():
+                    rec.prefill_out.set_exception(MoriioRayError(reason))
+            elif rec.caller is not None:
+                self.fail(rec, MoriioRayError(reason))
+
+    def fail(self, rec: WorkerRequest, exc: BaseException) -> None:
+        """End a streaming request with a typed error on its caller's stream."""
+        self.table.close(rec)
+        if rec.caller is not None:
+            name = type(exc).__name__ if isinstance(exc, MoriioRayError) else "MoriioRayError"
+            self.hub.push(rec.caller, RequestOutput(rec.request_id, [], error=(name, str(exc))))
+
+    async def outputs(self, caller: str) -> AsyncIterator[bytes]:
+        async for item in self.hub.stream(caller, STREAM_PERIOD_S, self.abort_caller):
+            yield item
+
+    # -- ending requests ------------------------------------------------------------------------
+
+    async def abort(self, request_id: str) -> None:
+        """Cancel a request here: its blocks, lease and reservation are freed at once; a request
+        still on its way is refused when it arrives (a cancel mark)."""
+        rec = self.table.cancel(request_id)
+        late = self.mailbox.abandon(request_id)
+        if isinstance(late, KVHandle):  # delivered but never read here: free P's lease
+            self.release_lease(late)
+        if rec is not None:
+            self.counters["cancelled"] += 1
+            if rec.prefill_out is not None and not rec.prefill_out.done():
+                rec.prefill_out.set_exception(RequestCancelled(f"request {request_id} was cancelled"))
+            if rec.task is not None and not rec.task.done():
+                rec.task.cancel()  # the call serving it cleans up (quarantine included)
+                return
+            self.table.close(rec)
+            engine_id = rec.engine_id
+        else:
+            engine_id = request_id
+        await self.loop.call_now(lambda: self.engine.abort(engine_id))
+
+    def abort_caller(self, caller: str) -> None:
+        """A caller closed its stream or is gone: abort each of its requests."""
+        recs = self.table.of_caller(caller)
+        if recs:
+            log.info("caller %s left; aborting its %d requests", caller, len(recs))
+        for rec in recs:
+            self.spawn(self.abort(rec.request_id))
+
+    async def _watch_callers(self) -> None:
+        while not self._closed:
+            await asyncio.sleep(STREAM_PERIOD_S)
+            for caller in self.hub.gone(self.table.callers()):
+                log.warning("caller %s opened no output stream for a while: it is gone", caller)
+                self.abort_caller(caller)
+
+    def discard(self, rec: WorkerRequest) -> None:
+        """Forget a request that ends here without a stream end: free whatever the engine holds."""
+        self.table.close(rec)
+        engine_id = rec.engine_id
+        self.loop.post(lambda: self.engine.abort(engine_id))
+
+    def quarantine(self, engine_id: str, xfer: Transfer, max_wait_s: float) -> None:
+        """Keep blocks out of use until a transfer into them has ended, then free them."""
+
+        async def free_later() -> None:
+            try:
+                await asyncio.to_thread(xfer.wait, max_wait_s)
+            except Exception:
+                pass  # failed or still running after max_wait_s: either way it is over for us
+            self.loop.post(lambda: self.engine.abort(engine_id))
+
+        self.spawn(free_later())
+
+    def release_lease(self, handle: KVHandle) -> None:
+        """Tell P to free a lease (fire and forget: P frees it at lease + grace anyway)."""
+
+        async def release() -> None:
+            try:
+                peer = await self.peers.get(handle.engine_key, handle.epoch)
+                peer.actor.release.remote(handle.transfer_id)
+            except Exception as exc:  # P gone: its lease went with it
+                log.info("could not release %s on %s: %r", handle.transfer_id, handle.engine_key, exc)
+
+        self.spawn(release())
+
+    async def reserve_blocks(self, req: GenRequest, engine_id: str, deadline_s: float) -> list[int]:
+        """Reserve blocks for ``req``; wait for the engine to free some, up to ``deadline_s``
+        (monotonic)."""
+        while True:
+            blocks = await self.loop.call_now(
+                lambda: self.engine.reserve(engine_id, req.prompt_token_ids, req.params)
+            )
+            if blocks is not None:
+                return list(blocks)
+            if time.monotonic() >= deadline_s:
+                raise DeadlineExceeded(
+                    f"{self.key}: no free KV blocks for {req.request_id} before its deadline"
+                )
+            await self.loop.next_step()
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    async def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._loop is not None:
+            self._loop.stop()
+        self.agent.close()
+
+
+def _prepare_device(config: PipelineConfig, role: Role) -> None:
+    """CPU engines use the threads Ray gave them; cuda_ipc engines pick their GPU among all visible."""
+    import torch
+
+    if config.transfer.backend == "cuda_ipc":
+        from moriio_ray.transfer.cuda_devices import select_device
+
+        select_device()
+    if config.engine.device == "cpu" or not torch.cuda.is_available():
+        role_cfg = getattr(config.pool, role.value)
+        torch.set_num_threads(max(1, int(role_cfg.num_cpus or 1)))
