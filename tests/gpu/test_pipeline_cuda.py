@@ -78,7 +78,7 @@ def test_cuda_ipc_pd_equals_colocated(ray_gpus: None, preset: str) -> None:
             assert devices["prefill"] != devices["decode"], devices  # two GPUs, one each
             for w in workers.values():
                 assert w["num_free_blocks"] == w["num_blocks"] and w["transfer_failures"] == 0
-            handoff = [r.timings["handoff_s"] * 1e3 for r in results]
+            handoff = [(r.timings.handoff_s or 0.0) * 1e3 for r in results]
             report[mode] = {"devices": devices, "handoff_ms_median": statistics.median(handoff)}
         finally:
             pipe.shutdown()

@@ -63,7 +63,7 @@ def _spread_config(name: str) -> Any:
 
 def _node_of(pipe: PDPipeline, key: str) -> str:
     member = ray.get(pipe.coordinator.lookup.remote(key))
-    return str(ray.get(member.info_ref).node_id)
+    return str(member.node_id)
 
 
 @pytest.mark.timeout(240)

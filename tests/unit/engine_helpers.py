@@ -107,5 +107,19 @@ def disaggregated(
         assert dst_blocks is not None and len(dst_blocks) == len(handle.block_ids)
         copy_blocks(prefill, handle.block_ids, decode, dst_blocks)
         assert prefill.release(rid)
-        decode.start_decode(rid, handle.first_token, handle.first_logprob)
-    return run_to_end(decode)
+        decode.start_decode(rid, handle.first_token)
+    rest = run_to_end(decode)
+    return {rid: with_first(firsts[rid], rest.get(rid)) for rid in firsts}
+
+
+def with_first(first: Result, rest: Result | None) -> Result:
+    """A disaggregated request as its caller sees it: P's first token, then D's tokens."""
+    assert first.prefill is not None
+    out = Result(tokens=[first.prefill.first_token], prefill=first.prefill)
+    if first.prefill.first_logprob is not None:
+        out.logprobs = [first.prefill.first_logprob]
+    if rest is not None:
+        out.tokens += rest.tokens
+        out.logprobs += rest.logprobs
+        out.finished, out.finish_reason = rest.finished, rest.finish_reason
+    return out

@@ -23,7 +23,8 @@ def test_release_frees_the_leased_blocks() -> None:
     assert out.finished and out.finish_reason is None and handle is not None
     assert handle.num_tokens == 10 and len(handle.block_ids) == 3
     assert handle.block_ids == engine.prefill_blocks("t1")
-    assert before + 30 <= handle.lease_deadline_s <= time.monotonic() + 30
+    lease = engine.allocator.get_lease("t1")
+    assert lease is not None and before + 30 <= lease.deadline_s <= time.monotonic() + 30
     assert abs(handle.lease_deadline_unix - (time.time() + 30)) < 5
     stats = engine.stats()
     assert (stats["num_leased_blocks"], stats["num_used_blocks"], stats["num_free_blocks"]) == (3, 3, 5)
@@ -37,8 +38,9 @@ def test_expiry_only_after_lease_plus_grace() -> None:
     engine = tiny_engine("prefill", num_blocks=8, lease_grace_s=5.0)
     engine.add_request("t1", PROMPT, SamplingParams(), lease_s=10.0)
     handle = run_to_end(engine)["t1"].prefill
-    assert handle is not None
-    deadline = handle.lease_deadline_s
+    lease = engine.allocator.get_lease("t1")
+    assert handle is not None and lease is not None
+    deadline = lease.deadline_s
     assert engine.sweep_leases(now_s=deadline + 1.0) == []  # past the lease, inside the grace
     assert engine.sweep_leases(now_s=deadline + 4.9) == []
     assert engine.stats()["num_leased_blocks"] == 3
@@ -47,12 +49,14 @@ def test_expiry_only_after_lease_plus_grace() -> None:
 
 
 @pytest.mark.timeout(30)
-def test_step_sweeps_expired_leases() -> None:
+def test_sweep_frees_expired_leases_and_step_leaves_them() -> None:
     engine = tiny_engine("prefill", num_blocks=8, lease_grace_s=0.0)
     engine.add_request("t1", PROMPT, SamplingParams(), lease_s=-1.0)  # already past its deadline
     run_to_end(engine)
     assert engine.stats()["num_leased_blocks"] == 3
-    engine.step()
+    engine.step()  # the worker's engine loop sweeps, once per period; a step does not
+    assert engine.stats()["num_leased_blocks"] == 3
+    assert engine.sweep_leases() == ["t1"]
     assert engine.stats()["num_leased_blocks"] == 0 and engine.stats()["num_free_blocks"] == 8
 
 

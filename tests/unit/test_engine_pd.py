@@ -12,9 +12,11 @@ from engine_helpers import (
     prompts_for_block_size,
     run_to_end,
     tiny_engine,
+    with_first,
 )
 
 from moriio_ray.engine.sampling import SamplingParams
+from moriio_ray.errors import InvalidRequest
 
 
 def _colocated(prompts: list[list[int]], params: list[SamplingParams], layout: str = "layer_major"):
@@ -88,31 +90,52 @@ def test_layer_hook_sees_each_layer_written() -> None:
 
 @pytest.mark.timeout(60)
 def test_recompute_fallback_equals_colocated() -> None:
-    """A decode engine whose transfer failed recomputes the prompt into its reserved blocks."""
+    """A decode engine whose transfer failed computes prompt + first token into its reserved blocks,
+    and emits only the tokens after the first (its caller has that one from P)."""
     prompts = prompts_for_block_size(BLOCK_SIZE, count=6, seed=4)
     params = SamplingParams(max_tokens=8, temperature=2.0, seed=7, ignore_eos=True)
-    decode = tiny_engine("decode")
+    prefill, decode = tiny_engine("prefill"), tiny_engine("decode")
     for i, prompt in enumerate(prompts):
-        assert decode.reserve(f"r{i}", prompt, params) is not None
-        decode.prefill_into_reserved(f"r{i}")
-    got = run_to_end(decode)
+        prefill.add_request(f"r{i}", prompt, params)
+    firsts = run_to_end(prefill)
+    for i, prompt in enumerate(prompts):
+        rid = f"r{i}"
+        assert prefill.release(rid)
+        assert decode.reserve(rid, prompt, params) is not None
+        decode.recompute_reserved(rid, firsts[rid].prefill.first_token)
+    rest = run_to_end(decode)
+    got = {rid: with_first(firsts[rid], rest[rid]).tokens for rid in firsts}
     want = _colocated(prompts, [params] * len(prompts))
-    assert {r: v.tokens for r, v in got.items()} == {r: v.tokens for r, v in want.items()}
+    assert got == {r: v.tokens for r, v in want.items()}
+    assert all(len(rest[r].tokens) == 7 for r in rest)  # nothing re-emitted
     assert decode.stats()["num_free_blocks"] == decode.stats()["num_blocks"]
 
 
 @pytest.mark.timeout(60)
-def test_first_token_that_stops_finishes_on_decode() -> None:
+def test_first_token_that_ends_the_request() -> None:
     prompt = [5, 6, 7]
     prefill, decode = tiny_engine("prefill"), tiny_engine("decode")
     params = SamplingParams(max_tokens=1)
     prefill.add_request("r", prompt, params)
     out = run_to_end(prefill)["r"]
     assert out.finished and out.finish_reason == "length" and out.prefill is not None
+    # nothing for a peer to read: no lease, every block free at once
+    assert out.prefill.block_ids == [] and prefill.stats()["num_free_blocks"] == prefill.stats()["num_blocks"]
+    # a decode engine told to start from a token that already ends it finishes with no new token
     blocks = decode.reserve("r", prompt, params)
     assert blocks is not None
-    copy_blocks(prefill, out.prefill.block_ids, decode, blocks)
     decode.start_decode("r", out.prefill.first_token)
     res = run_to_end(decode)["r"]
-    assert res.tokens == [out.prefill.first_token] and res.finish_reason == "length"
+    assert res.tokens == [] and res.finished and res.finish_reason == "length"
     assert decode.stats()["num_used_blocks"] == 0
+
+
+@pytest.mark.timeout(60)
+def test_start_decode_refuses_bad_first_tokens() -> None:
+    decode = tiny_engine("decode")
+    assert decode.reserve("r", [5, 6, 7], SamplingParams(max_tokens=4)) is not None
+    for bad in (-1, decode.args.vocab_size, True, 1.5):
+        with pytest.raises(InvalidRequest, match="first_token"):
+            decode.start_decode("r", bad)  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequest, match="no reservation"):
+        decode.start_decode("unknown", 5)

@@ -7,6 +7,7 @@ import torch
 from engine_helpers import run_to_end, tiny_engine
 
 from moriio_ray.engine.sampling import SamplingParams
+from moriio_ray.engine.stopping import truncate_at_stop
 from moriio_ray.engine.scheduler import Batch
 from moriio_ray.engine.sequence import Sequence
 
@@ -62,9 +63,9 @@ def test_stop_strings(reference: list[int]) -> None:
     res = _generate(params, engine=engine)
     assert res.finish_reason == "stop"
     assert res.tokens == reference[: k + 2]
-    text = engine.detokenize(res.tokens, params)
-    assert text == engine.detokenize(reference[:k]) and stop not in text
-    assert engine.detokenize(res.tokens).endswith(stop)
+    text = truncate_at_stop(engine.tokenizer.decode(res.tokens), params.stop)
+    assert text == engine.tokenizer.decode(reference[:k]) and stop not in text
+    assert engine.tokenizer.decode(res.tokens).endswith(stop)
 
 
 @pytest.mark.timeout(30)

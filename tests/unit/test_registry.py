@@ -33,11 +33,23 @@ def test_import_moriio_ray_loads_no_backend_no_ray_no_torch() -> None:
 
 
 @pytest.mark.timeout(60)
-def test_import_transfer_loads_no_backend_and_no_ray() -> None:
+def test_import_transfer_loads_no_backend_no_ray_no_torch() -> None:
     loaded = _modules_after("import moriio_ray.transfer")
-    assert "moriio_ray.transfer.base" in loaded
-    heavy = {"ray", *BACKEND_MODULES} & loaded
+    assert "moriio_ray.transfer" in loaded and "moriio_ray.transfer.base" not in loaded
+    heavy = {"ray", "torch", *BACKEND_MODULES} & loaded
     assert not heavy, f"import moriio_ray.transfer loaded {sorted(heavy)}"
+    # the re-exports load on first use
+    loaded = _modules_after("import moriio_ray.transfer as t\nt.TransferAgent, t.plan_blocks")
+    assert {"moriio_ray.transfer.base", "moriio_ray.transfer.plan"} <= loaded
+
+
+@pytest.mark.timeout(60)
+def test_caller_side_loads_no_torch_and_no_worker_code() -> None:
+    loaded = _modules_after(
+        "import moriio_ray.runtime.pipeline, moriio_ray.runtime.coordinator, moriio_ray.serve.app"
+    )
+    heavy = {m for m in loaded if m == "torch" or m.startswith(("moriio_ray.worker", "moriio_ray.engine.model"))}
+    assert not heavy, f"the caller side loaded {sorted(heavy)}"
 
 
 @pytest.mark.timeout(60)
