@@ -1,9 +1,13 @@
-"""MoRI transfer statuses: waiting on them with a deadline, and mapping their codes to our errors.
+"""MoRI transfer statuses: waiting on them with a deadline, and mapping MoRI's failures to our errors.
 
 A MoRI ``TransferStatus`` is written by MoRI's C++ threads through a raw pointer until it is
 terminal (``Succeeded()`` or ``Failed()``), so a ``MoriTransfer`` keeps its statuses, and whatever
 else the call handed to C++, referenced until then; the agent keeps a failed-over transfer alive
 the same way after its caller has let go of it.
+
+Waiting is ``IOEngine.wait_all(statuses, timeout_ms)`` (amd-mori 1.2.4 has it; it releases the GIL),
+in slices, so that a peer failure that MoRI reports (``pop_peer_failure``, a session no longer
+``alive()``) or a disconnect ends a blocked wait within one slice.
 """
 
 from __future__ import annotations
@@ -11,7 +15,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
-from types import ModuleType
 from typing import Any
 
 from moriio_ray.errors import PeerLost, SegmentOutOfBounds, TransferError, TransferTimeout
@@ -20,9 +23,9 @@ from moriio_ray.transfer.handle import Transfer
 # Waits up to timeout_s for every status to be terminal; returns early when they are.
 Waiter = Callable[[Sequence[Any], float], None]
 
-# Longest single native wait, so that a disconnect (PeerLost) reaches a blocked waiter quickly.
+# Longest single native wait, so that a disconnect or a peer failure (PeerLost) reaches a blocked
+# waiter quickly.
 _WAIT_SLICE_S = 0.05
-_POLL_INTERVAL_S = 0.001
 
 _HINTS = {
     "ERR_RDMA_OP": "an RDMA operation failed; check the NICs and their queue depths, or lower "
@@ -62,51 +65,57 @@ def status_error(status: Any, peer_key: str) -> TransferError:
     return TransferError(f"MoRI transfer with {peer_key!r} failed with {name}: {message}; {hint}")
 
 
+def peer_failure_error(event: Any, peer_key: str | None) -> TransferError:
+    """Our error for a ``PeerFailureEvent``: PeerLost for a named peer, TransferError for a local fault.
+
+    ``peer_key`` is our key of the peer whose MoRI engine the event names (None: it names none).
+    """
+    reason = code_name(event.reason)
+    where = f"device {event.device_name or '?'} port {event.port_num} qp {event.qp_num}"
+    detail = event.detail or "no detail"
+    if peer_key is None:
+        return TransferError(
+            f"MoRI reported {reason} on {where} ({detail}) for no particular peer; every in-flight "
+            "transfer of this engine failed; check this host's RDMA NIC, its port and its driver"
+        )
+    return PeerLost(
+        f"MoRI reported {reason} for peer {peer_key!r} (MoRI engine {event.remote_engine_key!r}, "
+        f"{where}: {detail}); its in-flight transfers failed at once; the coordinator replaces a dead "
+        "peer, or reconnect it once it is back"
+    )
+
+
 def _timeout_ms(timeout_s: float) -> int:
     # MoRI reads -1 as "forever"; never hand it 0 or a negative slice by rounding.
     return max(1, int(timeout_s * 1000))
 
 
-def choose_waiter(engine: Any, mori_io: ModuleType) -> Waiter:
-    """The best wait this ``mori.io`` offers: ``wait_all``, else ``WaitFor``, else polling."""
-    wait_all = getattr(engine, "wait_all", None)
-    if callable(wait_all):
+def make_waiter(engine: Any) -> Waiter:
+    """A timed wait on a list of statuses through ``engine.wait_all``."""
 
-        def wait_with_wait_all(statuses: Sequence[Any], timeout_s: float) -> None:
-            wait_all(list(statuses), _timeout_ms(timeout_s))
+    def wait_all(statuses: Sequence[Any], timeout_s: float) -> None:
+        engine.wait_all(list(statuses), _timeout_ms(timeout_s))
 
-        return wait_with_wait_all
-    if hasattr(mori_io.TransferStatus, "WaitFor"):
-
-        def wait_with_wait_for(statuses: Sequence[Any], timeout_s: float) -> None:
-            deadline = time.monotonic() + timeout_s
-            for status in statuses:
-                left_s = deadline - time.monotonic()
-                if left_s <= 0:
-                    return
-                if not is_terminal(status):
-                    status.WaitFor(_timeout_ms(left_s))
-
-        return wait_with_wait_for
-    return poll_statuses
-
-
-def poll_statuses(statuses: Sequence[Any], timeout_s: float) -> None:
-    """For a ``mori.io`` without a timed wait: check every millisecond, as vLLM's connector does."""
-    deadline = time.monotonic() + timeout_s
-    while not all(is_terminal(s) for s in statuses) and time.monotonic() < deadline:
-        time.sleep(_POLL_INTERVAL_S)
+    return wait_all
 
 
 class MoriTransfer(Transfer):
     """One batched MoRI read or write. Holds its statuses and the call's buffers until terminal.
 
     ``deadline_s`` (``transfer.timeout_s`` after issue) ends it with TransferTimeout even if MoRI
-    never reports a completion, so a lost completion cannot hang a request.
+    never reports a completion, so a lost completion cannot hang a request. ``poll`` is the agent's
+    check for peer failures; ``done()`` (and so every wait slice) calls it.
     """
 
     def __init__(
-        self, *, num_bytes: int, num_segments: int, peer_key: str, waiter: Waiter, deadline_s: float
+        self,
+        *,
+        num_bytes: int,
+        num_segments: int,
+        peer_key: str,
+        waiter: Waiter,
+        deadline_s: float,
+        poll: Callable[[], None],
     ) -> None:
         self.deadline_s = deadline_s  # a time.monotonic() value
         self._limit_s = deadline_s - time.monotonic()
@@ -116,6 +125,7 @@ class MoriTransfer(Transfer):
         self.num_segments = num_segments
         self.peer_key = peer_key
         self._waiter = waiter
+        self._poll = poll
         self._lock = threading.Lock()
         self._forced: TransferError | None = None
         self._issued = threading.Event()  # set by finish_issuing once every batch is out
@@ -142,6 +152,12 @@ class MoriTransfer(Transfer):
     def statuses_terminal(self) -> bool:
         return self._issued.is_set() and all(is_terminal(s) for s in self.statuses)
 
+    def sessions_alive(self) -> bool:
+        """False once MoRI says a session this transfer was issued on is dead (a failed queue pair)."""
+        with self._lock:
+            sessions = [batch[0] for batch in self.keepalive]
+        return all(session.alive() for session in sessions)
+
     def _check_deadline(self) -> None:
         if self._forced is None and time.monotonic() >= self.deadline_s:
             self.fail(
@@ -153,6 +169,8 @@ class MoriTransfer(Transfer):
             )
 
     def done(self) -> bool:
+        if self._forced is None and not self.statuses_terminal():
+            self._poll()
         self._check_deadline()
         return self._forced is not None or self.statuses_terminal()
 
