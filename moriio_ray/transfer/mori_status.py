@@ -93,10 +93,10 @@ def _timeout_ms(timeout_s: float) -> int:
 def make_waiter(engine: Any) -> Waiter:
     """A timed wait on a list of statuses through ``engine.wait_all``."""
 
-    def wait_all(statuses: Sequence[Any], timeout_s: float) -> None:
+    def wait_on_engine(statuses: Sequence[Any], timeout_s: float) -> None:
         engine.wait_all(list(statuses), _timeout_ms(timeout_s))
 
-    return wait_all
+    return wait_on_engine
 
 
 class MoriTransfer(Transfer):
@@ -128,6 +128,7 @@ class MoriTransfer(Transfer):
         self._poll = poll
         self._lock = threading.Lock()
         self._forced: TransferError | None = None
+        self._peer_lost: PeerLost | None = None  # explains a status that MoRI fails after it
         self._issued = threading.Event()  # set by finish_issuing once every batch is out
 
     def add_batch(self, status: Any, keepalive: tuple[Any, ...]) -> None:
@@ -144,8 +145,11 @@ class MoriTransfer(Transfer):
         return self._forced
 
     def fail(self, error: TransferError) -> None:
-        """Fail the transfer from our side (its peer was disconnected); MoRI may still complete it."""
+        """Fail the transfer from our side (its peer was disconnected, or MoRI reported it lost); MoRI
+        may still complete it. A PeerLost is kept either way, to explain a status MoRI fails later."""
         with self._lock:
+            if isinstance(error, PeerLost) and self._peer_lost is None:
+                self._peer_lost = error
             if self._forced is None and not self.statuses_terminal():
                 self._forced = error
 
@@ -181,8 +185,19 @@ class MoriTransfer(Transfer):
             return None
         for status in self.statuses:
             if status.Failed():
-                return status_error(status, self.peer_key)
+                return self._explain(status_error(status, self.peer_key))
         return None
+
+    def _explain(self, error: TransferError) -> TransferError:
+        """A generic MoRI failure (ERR_RDMA_OP, ...) on a connection to a lost peer is PeerLost: a killed
+        peer shows up as a failed queue pair, and callers must be able to tell it from a bad request."""
+        if type(error) is not TransferError:
+            return error
+        self._poll()
+        if self._peer_lost is None and self.sessions_alive():
+            return error
+        why = self._peer_lost or "MoRI's session to it is no longer alive (a queue pair to it failed)"
+        return PeerLost(f"{error}; the peer is lost: {why}")
 
     def wait(self, timeout_s: float | None = None) -> None:
         caller_deadline_s = None if timeout_s is None else time.monotonic() + timeout_s

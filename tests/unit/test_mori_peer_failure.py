@@ -156,3 +156,17 @@ def test_failures_queued_before_a_disconnect_spare_the_reconnected_peer(fabric):
     fabric.complete()
     x.wait(timeout_s=5.0)
     assert x.error() is None
+
+
+@pytest.mark.timeout(15)
+def test_a_generic_failure_on_a_dead_session_is_peer_lost(fabric):
+    d, (p, q) = _agents("decode-0", "prefill-0", "prefill-1")
+    x, y = _read_from(d, p), _read_from(d, q)
+    fabric.complete(fake_mori.StatusCode.ERR_RDMA_OP, "IBV_WC_RETRY_EXC_ERR")  # the statuses fail first
+    fabric.break_sessions(d.mori_key, p.mori_key)  # then MoRI marks the queue pair to p dead
+    with pytest.raises(PeerLost, match=r"ERR_RDMA_OP.*IBV_WC_RETRY_EXC_ERR.*no longer alive"):
+        x.wait(timeout_s=_FAST_S)
+    # on q's session, still alive, the same code stays a TransferError naming MoRI's message
+    with pytest.raises(TransferError) as info:
+        y.wait(timeout_s=_FAST_S)
+    assert type(info.value) is TransferError and "IBV_WC_RETRY_EXC_ERR" in str(info.value)
