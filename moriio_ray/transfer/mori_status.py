@@ -27,12 +27,31 @@ Waiter = Callable[[Sequence[Any], float], None]
 # waiter quickly.
 _WAIT_SLICE_S = 0.05
 
-_HINTS = {
-    "ERR_RDMA_OP": "an RDMA operation failed; check the NICs and their queue depths, or lower "
-    "transfer.mori.qp_per_transfer or the number of concurrent requests",
-    "ERR_BAD_STATE": "the MoRI engine is in a bad state; restart this engine",
-    "ERR_GPU_OP": "a GPU (HIP) copy failed; check the ROCm driver and peer access between the GPUs",
+# MoRI StatusCode names -> (our error, what it means). Every name here is checked against the real
+# StatusCode members by tests/unit/test_mori_surface.py; an unlisted failure is a TransferError.
+_STATUS_ERRORS: dict[str, tuple[type[TransferError], str]] = {
+    "ERR_INVALID_ARGS": (
+        SegmentOutOfBounds,
+        "MoRI refused the segments (an offset or size outside a registered region)",
+    ),
+    "ERR_NOT_FOUND": (
+        PeerLost,
+        "the peer's engine or region is no longer registered (it restarted or deregistered); "
+        "reconnect with its current descriptor",
+    ),
+    "ERR_RDMA_OP": (
+        TransferError,
+        "an RDMA operation failed; check the NICs and their queue depths, or lower "
+        "transfer.mori.qp_per_transfer or the number of concurrent requests",
+    ),
+    "ERR_BAD_STATE": (TransferError, "the MoRI engine is in a bad state; restart this engine"),
+    "ERR_GPU_OP": (
+        TransferError,
+        "a GPU (HIP) copy failed; check the ROCm driver and peer access between the GPUs",
+    ),
 }
+MAPPED_STATUS_CODES = frozenset(_STATUS_ERRORS)
+_UNLISTED = (TransferError, "see MoRI's log (mori.io.set_log_level) for details")
 
 
 def code_name(code: Any) -> str:
@@ -48,21 +67,11 @@ def is_terminal(status: Any) -> bool:
 
 
 def status_error(status: Any, peer_key: str) -> TransferError:
-    """Our error for a failed status: PeerLost when MoRI no longer knows the peer, else TransferError."""
+    """Our error for a failed status (``_STATUS_ERRORS``), carrying MoRI's code and message."""
     name = code_name(status.Code())
     message = status.Message() or "no message"
-    if name == "ERR_INVALID_ARGS":
-        return SegmentOutOfBounds(
-            f"MoRI transfer with {peer_key!r} failed with {name}: {message}; MoRI refused the segments "
-            "(an offset or size outside a registered region)"
-        )
-    if name == "ERR_NOT_FOUND":
-        return PeerLost(
-            f"MoRI transfer with {peer_key!r} failed with {name}: {message}; the peer's engine or region "
-            "is no longer registered (it restarted or deregistered); reconnect with its current descriptor"
-        )
-    hint = _HINTS.get(name, "see MoRI's log (mori.io.set_log_level) for details")
-    return TransferError(f"MoRI transfer with {peer_key!r} failed with {name}: {message}; {hint}")
+    error, meaning = _STATUS_ERRORS.get(name, _UNLISTED)
+    return error(f"MoRI transfer with {peer_key!r} failed with {name}: {message}; {meaning}")
 
 
 def peer_failure_error(event: Any, peer_key: str | None) -> TransferError:

@@ -22,6 +22,7 @@ import torch
 from mori_surface import ClassSurface, Signature, Surface, read_surface
 
 from moriio_ray.errors import PeerLost, TransferError
+from moriio_ray.transfer.mori_status import MAPPED_STATUS_CODES
 
 pytestmark = pytest.mark.timeout(240)  # the first test may download the wheel (10 MB)
 
@@ -212,6 +213,11 @@ def exercised(surface: Surface) -> mori_usage.Recorder:
 def test_the_adapter_calls_only_what_the_real_mori_has(exercised):
     assert exercised.errors == []
     assert len(exercised.used) >= 40  # the scenarios reached the adapter's MoRI calls at all
+
+
+def test_the_status_codes_mapped_to_our_errors_are_real(surface):
+    assert MAPPED_STATUS_CODES <= set(surface.pybind["StatusCode"].members)
+    assert {"ERR_NOT_FOUND", "ERR_INVALID_ARGS", "ERR_RDMA_OP"} <= MAPPED_STATUS_CODES
 
 
 def test_every_mori_name_in_the_adapter_is_real_and_was_checked(surface, exercised):
