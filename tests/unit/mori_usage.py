@@ -145,7 +145,7 @@ def _wrap(rec: Recorder, value: Any) -> Any:
     if isinstance(value, list):
         return [_wrap(rec, v) for v in value]
     real = rec.surface.export(type(value).__name__)  # the layer mori.io takes that name from
-    if real is not None and type(value).__module__ == "fake_mori":
+    if real is not None and type(value).__module__.startswith("fake_mori"):
         return Spy(value, real, "instance", type(value).__name__, rec)
     return value
 
