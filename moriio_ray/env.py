@@ -29,6 +29,16 @@ def cuda_visible_devices() -> str | None:
     return os.environ.get("CUDA_VISIBLE_DEVICES")
 
 
+def cache_dir() -> str:
+    """Where downloads that tests reuse are kept: MORIIO_RAY_CACHE_DIR, else $XDG_CACHE_HOME/moriio-ray,
+    else ~/.cache/moriio-ray (outside the source tree, so a clean checkout fetches once per machine)."""
+    explicit = os.environ.get("MORIIO_RAY_CACHE_DIR", "")
+    if explicit:
+        return explicit
+    base = os.environ.get("XDG_CACHE_HOME", "") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "moriio-ray")
+
+
 def get(name: str, default: str = "") -> str:
     """Read any variable (kept here so that env access stays in one module)."""
     return os.environ.get(name, default)

@@ -10,8 +10,13 @@ Reaching other hosts: ``same_host_only`` is False because ``rdma`` reaches any h
 data over the GPU fabric of one host only, so ``connect`` refuses an xgmi peer on another host
 with ``IncompatiblePeer`` (the flag is per class, the choice per config).
 
-Not run on AMD hardware here: it is written against the published ``mori.io`` API and checked with
-a fake ``mori`` module in the unit tests.
+Dead peers: besides the coordinator's disconnect, the agent asks MoRI itself. While a transfer is
+waited on (or polled with ``done()``), it drains ``IOEngine.pop_peer_failure()`` and checks the
+transfer's sessions with ``alive()``; a failure naming a peer fails that peer's in-flight transfers
+with ``PeerLost`` at once, instead of at ``transfer.timeout_s``.
+
+Not run on AMD hardware here: it is written against amd-mori 1.2.4, its names are checked against
+the API read from the real 1.2.4 wheel, and its logic is tested with a fake ``mori`` module.
 """
 
 from __future__ import annotations
@@ -42,13 +47,15 @@ from moriio_ray.transfer.mori_api import (
     import_mori_io,
     mori_engine_key,
 )
-from moriio_ray.transfer.mori_status import MoriTransfer, choose_waiter, is_terminal
+from moriio_ray.transfer.mori_status import MoriTransfer, is_terminal, make_waiter, peer_failure_error
 
 # (local mem_id, remote engine key, remote epoch, remote mem_id)
 SessionKey = tuple[int, str, int, int]
 
 _HOLD_POLL_S = 0.05
 _HOLD_MAX_S = 60.0
+_POLL_EVERY_S = 0.005  # how often done()/wait() ask MoRI for peer failures, at most
+_MAX_EVENTS_PER_POLL = 64
 
 
 def _split_at(sizes: np.ndarray, num_bytes: int) -> int:
@@ -82,7 +89,9 @@ class MoriAgent(TransferAgent):
                 "check the ROCm devices (and RDMA NICs for rdma), or choose transfer.mori.backend: "
                 "xgmi for engines on one host"
             ) from exc
-        self._waiter = choose_waiter(self._engine, self._mori)
+        self._waiter = make_waiter(self._engine)
+        self._poll_lock = threading.Lock()  # one thread drains MoRI's failure queue at a time
+        self._next_poll_s = 0.0
         self._local: dict[int, Any] = {}  # mem_id -> mori MemoryDesc
         self._remote_engines: dict[str, Any] = {}  # peer key -> mori EngineDesc
         self._sessions: dict[SessionKey, tuple[Any, int]] = {}
@@ -138,11 +147,11 @@ class MoriAgent(TransferAgent):
         self._remote_engines[desc.key] = mori_desc
 
     def _disconnect(self, desc: EngineDesc, reason: PeerLost) -> None:
+        self._drain_failures()  # what MoRI queued about this peer belongs to this connection
         for transfer in self._live:
             if transfer.peer_key == desc.key:
                 transfer.fail(reason)
-        for skey in [k for k in self._sessions if k[1] == desc.key]:
-            del self._sessions[skey]
+        self._drop_sessions(desc.key)
         mori_desc = self._remote_engines.pop(desc.key, None)
         if mori_desc is not None:
             self._engine.deregister_remote_engine(mori_desc)
@@ -175,6 +184,7 @@ class MoriAgent(TransferAgent):
             peer_key=peer.key,
             waiter=self._waiter,
             deadline_s=time.monotonic() + self.config.timeout_s,
+            poll=self._poll_failures,
         )
         with self._lock:
             self._live = [t for t in self._live if not t.statuses_terminal()]
@@ -212,7 +222,7 @@ class MoriAgent(TransferAgent):
         """The cached (session, remote region bytes as MoRI knows them) of a region pair."""
         skey = (local_mem.mem_id, remote_mem.engine_key, remote_mem.epoch, remote_mem.mem_id)
         cached = self._sessions.get(skey)
-        if cached is not None:
+        if cached is not None and cached[0].alive():
             return cached
         try:
             remote = self._mori.MemoryDesc.unpack(remote_mem.backend_data)
@@ -233,8 +243,68 @@ class MoriAgent(TransferAgent):
                 f"MoRI found no route from local region {local_mem.mem_id} to region {remote_mem.mem_id} "
                 f"of {remote_mem.engine_key!r}; both engines need the same transfer.mori.backend"
             )
+        if not session.alive():
+            self._sessions.pop(skey, None)
+            raise PeerLost(
+                f"MoRI's new session to {peer.key!r} is not alive (a queue pair to it failed); the peer "
+                "is unreachable; the coordinator replaces a dead peer, or reconnect it once it is back"
+            )
         self._sessions[skey] = (session, int(remote.size))
         return self._sessions[skey]
+
+    def _drop_sessions(self, peer_key: str) -> None:
+        for skey in [k for k in self._sessions if k[1] == peer_key]:
+            del self._sessions[skey]
+
+    # -- peer failures that MoRI reports --------------------------------------------------------
+
+    def _poll_failures(self) -> None:
+        """Drain ``pop_peer_failure()`` and check live sessions; fail what can no longer finish."""
+        now_s = time.monotonic()
+        if self._closed or now_s < self._next_poll_s or not self._poll_lock.acquire(blocking=False):
+            return
+        try:
+            self._next_poll_s = now_s + _POLL_EVERY_S
+            with self._lock:
+                if self._closed:
+                    return
+                self._drain_failures()
+                for transfer in self._live:
+                    if transfer.forced_error is None and not transfer.sessions_alive():
+                        transfer.fail(
+                            PeerLost(
+                                f"MoRI's session to {transfer.peer_key!r} is no longer alive (a queue "
+                                "pair to it failed); the transfer cannot finish; the coordinator "
+                                "replaces a dead peer, or reconnect it once it is back"
+                            )
+                        )
+        finally:
+            self._poll_lock.release()
+
+    def _drain_failures(self) -> None:
+        """Handle what ``pop_peer_failure()`` has queued (the caller holds ``self._lock``)."""
+        for _ in range(_MAX_EVENTS_PER_POLL):
+            event = self._engine.pop_peer_failure()
+            if event is None:  # nothing observed to fail (not a promise that peers are healthy)
+                return
+            self._on_peer_failure(event)
+
+    def _on_peer_failure(self, event: Any) -> None:
+        remote_key = str(event.remote_engine_key)
+        if not remote_key:  # a local fault (port, device): no peer is reachable through it
+            error = peer_failure_error(event, None)
+            for transfer in self._live:
+                transfer.fail(error)
+            self._sessions.clear()
+            return
+        peer_key = next((k for k, d in self._remote_engines.items() if d.key == remote_key), None)
+        if peer_key is None:
+            return  # a peer already disconnected, or a stale epoch of it
+        error = peer_failure_error(event, peer_key)
+        for transfer in self._live:
+            if transfer.peer_key == peer_key:
+                transfer.fail(error)
+        self._drop_sessions(peer_key)
 
     # -- test hook ------------------------------------------------------------------------------
 
@@ -260,6 +330,7 @@ class MoriAgent(TransferAgent):
         try:
             while transfer.forced_error is None and not all(is_terminal(s) for s in transfer.statuses):
                 self._waiter(transfer.statuses, _HOLD_POLL_S)
+                transfer.done()  # checks the deadline and MoRI's peer failures
             held.set()
             release.wait(_HOLD_MAX_S)
             with self._lock:

@@ -3,8 +3,9 @@
 Nothing here imports ``mori`` at module level: ``import_mori_io`` does it when a MoRI agent is
 created, so ``import moriio_ray`` and every other backend work on hosts without ``amd-mori``.
 
-Written against the ``mori.io`` API as published in ROCm/mori (``python/mori/io/engine.py``,
-``src/pybind/pybind_io.cpp``) and as vLLM's MoRIIO connector calls it. It has not run on AMD
+Written against amd-mori 1.2.4. Every name that this module, ``mori.py`` and ``mori_status.py`` use
+is checked against the API read from the real 1.2.4 wheel (``tests/unit/test_mori_surface.py``):
+classes, methods with their arity, keyword arguments and enum members. It has not run on AMD
 hardware here.
 """
 
@@ -20,20 +21,30 @@ from moriio_ray.config import MoriConfig
 from moriio_ray.errors import BackendUnavailable, IncompatiblePeer
 
 INSTALL_HINT = (
-    "install amd-mori (pip install 'moriio-ray[rocm]', which pulls amd-mori) on a ROCm host, "
+    "install amd-mori (pip install 'moriio-ray[rocm]', which pulls amd-mori>=1.2.4) on a ROCm host, "
     "or choose another transfer.backend (tcp, shm, cuda_ipc)"
 )
 
+# What this adapter needs beyond older releases: timed waits, and MoRI's own peer-failure reports.
+_NEEDED = (("IOEngine", "wait_all"), ("IOEngine", "pop_peer_failure"), ("IOEngineSession", "alive"))
+
 
 def import_mori_io() -> ModuleType:
-    """``mori.io``, or BackendUnavailable saying how to get it."""
+    """``mori.io`` (amd-mori 1.2.4 or newer), or BackendUnavailable saying how to get it."""
     try:
-        return importlib.import_module("mori.io")
+        mori_io = importlib.import_module("mori.io")
     except (ImportError, OSError) as exc:  # OSError: its native libraries (HIP, ibverbs) do not load
         raise BackendUnavailable(
             f"transfer.backend: 'mori' needs the mori package, which does not import here ({exc}); "
             f"{INSTALL_HINT}"
         ) from exc
+    for cls, method in _NEEDED:
+        if not hasattr(getattr(mori_io, cls), method):
+            raise BackendUnavailable(
+                f"transfer.backend: 'mori': this amd-mori has no {cls}.{method}, which moriio-ray "
+                "needs; upgrade with pip install 'amd-mori>=1.2.4'"
+            )
+    return mori_io
 
 
 def mori_engine_key(key: str, epoch: int, pid: int) -> str:
@@ -53,21 +64,15 @@ def backend_config(mori_io: ModuleType, config: MoriConfig) -> Any:
             num_streams=config.xgmi_num_streams, num_events=config.xgmi_num_events
         )
     poll_mode = mori_io.PollCqMode.EVENT if config.poll_cq_mode == "event" else mori_io.PollCqMode.POLLING
-    try:
-        return mori_io.RdmaBackendConfig(
-            qp_per_transfer=config.qp_per_transfer,
-            post_batch_size=config.post_batch_size,
-            num_worker_threads=config.num_workers,
-            poll_cq_mode=poll_mode,
-            # Off by default: with notifications on, an ENOMEM from ibv_post_send on the
-            # notification poisoned the transfer status before the data completed (vLLM saw hangs).
-            enable_notification=config.enable_notification,
-        )
-    except TypeError as exc:
-        raise BackendUnavailable(
-            f"transfer.mori: this amd-mori's RdmaBackendConfig does not take enable_notification "
-            f"({exc}); upgrade amd-mori to a release whose RdmaBackendConfig has it"
-        ) from exc
+    return mori_io.RdmaBackendConfig(
+        qp_per_transfer=config.qp_per_transfer,
+        post_batch_size=config.post_batch_size,
+        num_worker_threads=config.num_workers,
+        poll_cq_mode=poll_mode,
+        # Off by default: with notifications on, an ENOMEM from ibv_post_send on the
+        # notification poisoned the transfer status before the data completed (vLLM saw hangs).
+        enable_notification=config.enable_notification,
+    )
 
 
 class MoriPeerInfo(msgspec.Struct, frozen=True, kw_only=True):

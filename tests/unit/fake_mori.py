@@ -2,8 +2,10 @@
 
 Why a fake: there is no AMD GPU or RDMA NIC here, and the real ``amd-mori`` wheels are built for
 CPython 3.10 on ROCm only, so the real module cannot even be imported. This fake stands in at the
-import boundary (``sys.modules``) and mimics the names and call signatures of the real API (ROCm/mori
-``python/mori/io/engine.py`` and ``src/pybind/pybind_io.cpp``) closely enough to catch mistakes:
+import boundary (``sys.modules``) and mirrors amd-mori 1.2.4. It cannot offer more than that:
+``tests/unit/test_mori_surface.py`` checks every name it exports, every public method (with its
+parameters) and every attribute of its objects against the API read from the real 1.2.4 wheel.
+Like the real package, ``mori.io`` does not export ``TransferStatus`` (it lives in ``mori.cpp``).
 
 - configs take the real keyword names and defaults (``RdmaBackendConfig(qp_per_transfer=1,
   post_batch_size=-1, num_worker_threads=-1, poll_cq_mode=POLLING, enable_notification=True)``);
@@ -13,181 +15,63 @@ import boundary (``sys.modules``) and mimics the names and call signatures of th
   that Python already freed is recorded in ``Fabric.dangling`` (a use-after-free on real hardware).
 
 It moves bytes for real between registered CPU tensors, so round trips exercise the adapter.
-Completion is either immediate or held until the test calls ``Fabric.complete``.
-Every call is recorded in ``Fabric.calls`` as ``(engine_key, method, args)``.
+Completion is either immediate or held until the test calls ``Fabric.complete``. A test reports a
+dead peer with ``Fabric.fail_peer``: every engine that knows it gets a ``PeerFailureEvent`` from
+``pop_peer_failure()`` and its sessions to it stop being ``alive()``, as MoRI's RDMA backend does
+when a queue pair fails. Every call is recorded in ``Fabric.calls`` as ``(engine_key, method, args)``.
 """
 
 from __future__ import annotations
 
-import enum
+import collections
 import functools
 import itertools
-import pickle
 import sys
-import threading
+import time
 import types
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from fake_mori_types import (
+    BackendConfig,
+    BackendType,
+    EngineDesc,
+    IOEngineConfig,
+    MemoryDesc,
+    MemoryLocationType,
+    PeerFailureEvent,
+    PeerFailureReason,
+    PollCqMode,
+    RdmaBackendConfig,
+    StatusCode,
+    TransferStatus,
+    XgmiBackendConfig,
+    _failed,
+)
 
-
-class BackendType(enum.Enum):
-    Unknown = 0
-    XGMI = 1
-    RDMA = 2
-    TCP = 3
-
-
-class MemoryLocationType(enum.Enum):
-    Unknown = 0
-    CPU = 1
-    GPU = 2
-
-
-class StatusCode(enum.IntEnum):
-    SUCCESS = 0
-    INIT = 1
-    IN_PROGRESS = 2
-    ERR_BEGIN = 3  # the C++ enum's marker: Failed() is code > ERR_BEGIN
-    ERR_INVALID_ARGS = 4
-    ERR_NOT_FOUND = 5
-    ERR_RDMA_OP = 6
-    ERR_BAD_STATE = 7
-    ERR_GPU_OP = 8
-
-
-class PollCqMode(enum.Enum):
-    POLLING = 0
-    EVENT = 1
-
-
-class BackendConfig:
-    pass
-
-
-class RdmaBackendConfig(BackendConfig):
-    def __init__(
-        self,
-        qp_per_transfer: int = 1,
-        post_batch_size: int = -1,
-        num_worker_threads: int = -1,
-        poll_cq_mode: PollCqMode = PollCqMode.POLLING,
-        enable_notification: bool = True,
-        notif_per_qp: int = 1024,
-    ) -> None:
-        if not isinstance(poll_cq_mode, PollCqMode):
-            raise TypeError(f"poll_cq_mode must be a PollCqMode, got {poll_cq_mode!r}")
-        self.qp_per_transfer = qp_per_transfer
-        self.post_batch_size = post_batch_size
-        self.num_worker_threads = num_worker_threads
-        self.poll_cq_mode = poll_cq_mode
-        self.enable_notification = enable_notification
-        self.notif_per_qp = notif_per_qp
-
-
-class XgmiBackendConfig(BackendConfig):
-    def __init__(self, num_streams: int = 64, num_events: int = 64) -> None:
-        self.num_streams = num_streams
-        self.num_events = num_events
-
-
-class IOEngineConfig:
-    def __init__(self, host: str = "", port: int = 0) -> None:
-        self.host = host
-        self.port = port
-
-
-class TransferStatus:
-    def __init__(self) -> None:
-        self._code = StatusCode.INIT
-        self._msg = ""
-        self._cond = threading.Condition()
-
-    def Code(self) -> StatusCode:
-        return self._code
-
-    def Message(self) -> str:
-        return self._msg
-
-    def Init(self) -> bool:
-        return self._code == StatusCode.INIT
-
-    def InProgress(self) -> bool:
-        return self._code == StatusCode.IN_PROGRESS
-
-    def Succeeded(self) -> bool:
-        return self._code == StatusCode.SUCCESS
-
-    def Failed(self) -> bool:
-        return self._code > StatusCode.ERR_BEGIN
-
-    def SetCode(self, code: StatusCode) -> None:
-        with self._cond:
-            self._code = code
-            self._cond.notify_all()
-
-    def SetMessage(self, msg: str) -> None:
-        self._msg = msg
-
-    def Update(self, code: StatusCode, msg: str) -> None:
-        with self._cond:
-            if self._code > StatusCode.ERR_BEGIN:
-                return
-            self._msg = msg
-            self._code = code
-            self._cond.notify_all()
-
-    def Wait(self) -> None:
-        self.WaitFor(-1)
-
-    def WaitFor(self, timeout_ms: int = -1) -> StatusCode:
-        with self._cond:
-            self._cond.wait_for(
-                lambda: self._code not in (StatusCode.INIT, StatusCode.IN_PROGRESS),
-                None if timeout_ms < 0 else timeout_ms / 1000,
-            )
-            return self._code
-
-
-@dataclass(frozen=True)
-class EngineDesc:
-    key: str
-    hostname: str
-    host: str
-    port: int
-
-    def pack(self) -> bytes:
-        return pickle.dumps(("EngineDesc", self.key, self.hostname, self.host, self.port))
-
-    @staticmethod
-    def unpack(data: bytes) -> EngineDesc:
-        tag, *rest = pickle.loads(bytes(data))
-        if tag != "EngineDesc":
-            raise TypeError(f"not a packed EngineDesc: {tag}")
-        return EngineDesc(*rest)
-
-
-@dataclass(frozen=True)
-class MemoryDesc:
-    engine_key: str
-    id: int
-    device_id: int
-    data: int
-    size: int
-    loc: MemoryLocationType
-
-    def pack(self) -> bytes:
-        fields = (self.engine_key, self.id, self.device_id, self.data, self.size, self.loc.value)
-        return pickle.dumps(("MemoryDesc", *fields))
-
-    @staticmethod
-    def unpack(data: bytes) -> MemoryDesc:
-        tag, key, mid, dev, ptr, size, loc = pickle.loads(bytes(data))
-        if tag != "MemoryDesc":
-            raise TypeError(f"not a packed MemoryDesc: {tag}")
-        return MemoryDesc(key, mid, dev, ptr, size, MemoryLocationType(loc))
+__all__ = [  # the value types are tests' to use through this module too
+    "BackendType",
+    "EngineDesc",
+    "Fabric",
+    "IOEngine",
+    "IOEngineConfig",
+    "IOEngineSession",
+    "MemoryDesc",
+    "MemoryLocationType",
+    "PeerFailureEvent",
+    "PeerFailureReason",
+    "PollCqMode",
+    "RdmaBackendConfig",
+    "StatusCode",
+    "TransferStatus",
+    "XgmiBackendConfig",
+    "build_modules",
+    "cpu_agent_class",
+    "install",
+    "make_agent",
+]
 
 
 @dataclass
@@ -230,6 +114,31 @@ class Fabric:
     def methods(self, engine_key: str, name: str) -> list[tuple[Any, ...]]:
         return [args for key, method, args in self.calls if key == engine_key and method == name]
 
+    def fail_peer(
+        self,
+        engine_key: str,
+        reason: PeerFailureReason = PeerFailureReason.PEER_UNREACHABLE,
+        detail: str = "retry exceeded on qp",
+    ) -> int:
+        """The peer ``engine_key`` is unreachable: every engine that knows it gets a failure event and
+        its sessions to it die. Returns how many engines were told."""
+        told = 0
+        for engine in self.engines.values():
+            if engine_key in engine._remotes:
+                event = PeerFailureEvent(engine_key, reason, 17, 1, "fake_rdma0", detail)
+                self.push_failure(engine._key, event)
+                engine._dead_peers.add(engine_key)
+                told += 1
+        return told
+
+    def break_sessions(self, engine_key: str, peer_engine_key: str) -> None:
+        """Sessions of engine ``engine_key`` to ``peer_engine_key`` stop being alive (no event)."""
+        self.engines[engine_key]._dead_peers.add(peer_engine_key)
+
+    def push_failure(self, engine_key: str, event: PeerFailureEvent) -> None:
+        """Queue one event for ``pop_peer_failure`` of engine ``engine_key`` (a local fault has no peer)."""
+        self.engines[engine_key]._failures.append(event)
+
 
 FABRIC = Fabric()
 _uids = itertools.count(1)
@@ -243,54 +152,67 @@ def _check_sizes(name: str, values: Any) -> list[int]:
     return list(values)
 
 
+@dataclass
+class _CppSession:
+    """What the real wrapper holds as ``mori_sess`` (a pybind IOEngineSession)."""
+
+    engine: IOEngine
+    local: MemoryDesc
+    remote: MemoryDesc
+
+
 class IOEngineSession:
-    def __init__(self, engine: IOEngine, local: MemoryDesc, remote: MemoryDesc) -> None:
-        self._engine = engine
-        self._local = local
-        self._remote = remote
+    def __init__(self, mori_sess: _CppSession) -> None:
+        self._sess = mori_sess
 
     def allocate_transfer_uid(self) -> int:
         return next(_uids)
 
     def batch_read(self, local_offsets: Any, remote_offsets: Any, sizes: Any, transfer_uid: int) -> Any:
-        return self._engine._batch("read", self._local, self._remote, local_offsets, remote_offsets, sizes)
+        s = self._sess
+        return s.engine._batch("read", s.local, s.remote, local_offsets, remote_offsets, sizes)
 
     def batch_write(self, local_offsets: Any, remote_offsets: Any, sizes: Any, transfer_uid: int) -> Any:
-        return self._engine._batch("write", self._local, self._remote, local_offsets, remote_offsets, sizes)
+        s = self._sess
+        return s.engine._batch("write", s.local, s.remote, local_offsets, remote_offsets, sizes)
 
     def alive(self) -> bool:
-        return self._remote.engine_key in self._engine._remotes
+        key = self._sess.remote.engine_key
+        return key in self._sess.engine._remotes and key not in self._sess.engine._dead_peers
 
 
 class IOEngine:
     def __init__(self, key: str, config: IOEngineConfig) -> None:
         if not isinstance(config, IOEngineConfig):
             raise TypeError("config must be an IOEngineConfig")
-        self.key = key
-        self.config = config
-        self.backends: dict[BackendType, BackendConfig] = {}
+        self._key = key
+        self._config = config
+        self._backends: dict[BackendType, BackendConfig] = {}
         self._remotes: dict[str, EngineDesc] = {}
+        self._dead_peers: set[str] = set()
+        self._failures: collections.deque[PeerFailureEvent] = collections.deque()
         self._mem_ids = itertools.count(1)
         FABRIC.engines[key] = self
         self._record("__init__", key, config.host, config.port)
 
     def _record(self, method: str, *args: Any) -> None:
-        FABRIC.calls.append((self.key, method, args))
+        FABRIC.calls.append((self._key, method, args))
 
     def get_engine_desc(self) -> EngineDesc:
-        return EngineDesc(self.key, "fakehost", self.config.host, 40000 + len(FABRIC.engines))
+        return EngineDesc(self._key, "fakehost", self._config.host, 40000 + len(FABRIC.engines))
 
     def create_backend(self, type: BackendType, config: BackendConfig | None = None) -> None:
         expected = {BackendType.RDMA: RdmaBackendConfig, BackendType.XGMI: XgmiBackendConfig}[type]
         if config is None or not isinstance(config, expected):
             raise TypeError(f"{type} needs a {expected.__name__}, got {config!r}")
-        self.backends[type] = config
+        self._backends[type] = config
         self._record("create_backend", type, config)
 
     def register_remote_engine(self, engine_desc: EngineDesc) -> None:
         if not isinstance(engine_desc, EngineDesc):
             raise TypeError("register_remote_engine takes an EngineDesc (unpack the bytes first)")
         self._remotes[engine_desc.key] = engine_desc
+        self._dead_peers.discard(engine_desc.key)
         self._record("register_remote_engine", engine_desc)
 
     def deregister_remote_engine(self, engine_desc: EngineDesc) -> None:
@@ -303,13 +225,13 @@ class IOEngine:
         loc = MemoryLocationType.GPU if tensor.device.type == "cuda" else MemoryLocationType.CPU
         device_id = -1 if tensor.device.index is None else tensor.device.index
         num_bytes = tensor.numel() * tensor.element_size()
-        desc = MemoryDesc(self.key, next(self._mem_ids), device_id, tensor.data_ptr(), num_bytes, loc)
-        FABRIC.tensors[(self.key, desc.id)] = tensor
+        desc = MemoryDesc(self._key, next(self._mem_ids), device_id, tensor.data_ptr(), num_bytes, loc)
+        FABRIC.tensors[(self._key, desc.id)] = tensor
         self._record("register_torch_tensor", desc)
         return desc
 
     def deregister_memory(self, mem_desc: MemoryDesc) -> None:
-        FABRIC.tensors.pop((self.key, mem_desc.id), None)
+        FABRIC.tensors.pop((self._key, mem_desc.id), None)
         self._record("deregister_memory", mem_desc)
 
     def allocate_transfer_uid(self) -> int:
@@ -319,9 +241,28 @@ class IOEngine:
         self._record("create_session", local_mem, remote_mem)
         if not isinstance(local_mem, MemoryDesc) or not isinstance(remote_mem, MemoryDesc):
             raise TypeError("create_session takes two MemoryDesc")
-        if remote_mem.engine_key not in self._remotes or not self.backends:
+        if remote_mem.engine_key not in self._remotes or not self._backends:
             return None
-        return IOEngineSession(self, local_mem, remote_mem)
+        return IOEngineSession(_CppSession(self, local_mem, remote_mem))
+
+    def pop_peer_failure(self) -> PeerFailureEvent | None:
+        return self._failures.popleft() if self._failures else None
+
+    def wait_all(self, statuses: Any, timeout_ms: int = -1) -> StatusCode:
+        """Wait until every status is terminal or ``timeout_ms`` passed; the first failure's code,
+        IN_PROGRESS if some are still running, else SUCCESS."""
+        if not isinstance(statuses, list) or not all(isinstance(s, TransferStatus) for s in statuses):
+            raise TypeError("wait_all: statuses must be a list of TransferStatus")
+        self._record("wait_all", len(statuses), timeout_ms)
+        deadline_s = None if timeout_ms < 0 else time.monotonic() + timeout_ms / 1000
+        for status in statuses:
+            left_ms = -1 if deadline_s is None else max(0, int((deadline_s - time.monotonic()) * 1000))
+            status.WaitFor(left_ms)
+        codes = [s.Code() for s in statuses]
+        failed = [c for c in codes if _failed(c)]
+        if failed:
+            return failed[0]
+        return StatusCode.SUCCESS if all(c is StatusCode.SUCCESS for c in codes) else StatusCode.IN_PROGRESS
 
     def _batch(
         self, op: str, local: MemoryDesc, remote: MemoryDesc, lo: Any, ro: Any, sz: Any
@@ -366,29 +307,49 @@ class IOEngine:
         return status
 
 
+# What the fake mori.io exports: each must be a name the real mori.io 1.2.4 exports.
+IO_EXPORTS: tuple[type, ...] = (
+    BackendType,
+    MemoryLocationType,
+    StatusCode,
+    PollCqMode,
+    PeerFailureReason,
+    PeerFailureEvent,
+    RdmaBackendConfig,
+    XgmiBackendConfig,
+    IOEngineConfig,
+    EngineDesc,
+    MemoryDesc,
+    IOEngine,
+    IOEngineSession,
+)
+
+
+def build_modules() -> tuple[types.ModuleType, types.ModuleType, types.ModuleType]:
+    """(mori, mori.io, mori.cpp) of this fake, not yet installed."""
+    io = types.ModuleType("mori.io")
+    io.__doc__ = "FAKE mori.io for unit tests (see tests/unit/fake_mori.py)"
+    for obj in IO_EXPORTS:
+        setattr(io, obj.__name__, obj)
+    cpp = types.ModuleType("mori.cpp")
+    cpp.__doc__ = "FAKE mori.cpp: the classes mori.io does not re-export"
+    cpp.TransferStatus = TransferStatus  # type: ignore[attr-defined]
+    pkg = types.ModuleType("mori")
+    pkg.__path__ = []  # a package, so that `import mori.io` resolves through sys.modules
+    pkg.__version__ = "1.2.4"  # type: ignore[attr-defined]
+    pkg.io = io  # type: ignore[attr-defined]
+    pkg.cpp = cpp  # type: ignore[attr-defined]
+    return pkg, io, cpp
+
+
 def install(monkeypatch: Any, *, immediate: bool = True) -> Fabric:
     """Put this fake at ``sys.modules['mori']``/``['mori.io']`` (undone by monkeypatch); fresh state."""
     global FABRIC
     FABRIC = Fabric(immediate=immediate)
-    io = types.ModuleType("mori.io")
-    io.__doc__ = "FAKE mori.io for unit tests (see tests/unit/fake_mori.py)"
-    api: tuple[type, ...] = (BackendType, MemoryLocationType, StatusCode, PollCqMode, RdmaBackendConfig)
-    api += (
-        XgmiBackendConfig,
-        IOEngineConfig,
-        TransferStatus,
-        EngineDesc,
-        MemoryDesc,
-        IOEngine,
-        IOEngineSession,
-    )
-    for obj in api:
-        setattr(io, obj.__name__, obj)
-    pkg = types.ModuleType("mori")
-    pkg.__path__ = []  # a package, so that `import mori.io` resolves through sys.modules
-    pkg.io = io  # type: ignore[attr-defined]
+    pkg, io, cpp = build_modules()
     monkeypatch.setitem(sys.modules, "mori", pkg)
     monkeypatch.setitem(sys.modules, "mori.io", io)
+    monkeypatch.setitem(sys.modules, "mori.cpp", cpp)
     return FABRIC
 
 

@@ -24,6 +24,20 @@ def test_choosing_mori_without_mori_says_how_to_install_it(monkeypatch):
     assert "amd-mori" in message and "ROCm" in message and "transfer.backend" in message
 
 
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize(
+    ("cls", "method"),
+    [("IOEngine", "wait_all"), ("IOEngine", "pop_peer_failure"), ("IOEngineSession", "alive")],
+)
+def test_a_mori_older_than_1_2_4_is_refused_by_name(monkeypatch, cls, method):
+    import fake_mori  # tests/unit is on sys.path under pytest (no __init__.py here)
+
+    fake_mori.install(monkeypatch)
+    monkeypatch.delattr(getattr(fake_mori, cls), method)
+    with pytest.raises(BackendUnavailable, match=rf"no {cls}\.{method}.*amd-mori>=1\.2\.4"):
+        create_agent(TransferConfig(backend="mori"), key="decode-0")
+
+
 _PROBE = textwrap.dedent(
     """
     import importlib, sys

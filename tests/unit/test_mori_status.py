@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from moriio_ray.errors import PeerLost, SegmentOutOfBounds, TransferError, TransferTimeout
-from moriio_ray.transfer import mori_status
 from moriio_ray.transfer.mori_status import status_error
 
 SC = fake_mori.StatusCode
@@ -120,30 +119,14 @@ def test_waiter_wakes_on_completion_from_another_thread(fabric):
 
 
 @pytest.mark.timeout(10)
-def test_engine_wait_all_is_preferred_when_mori_has_it(fabric, monkeypatch):
-    seen: list[tuple[int, int]] = []
-
-    def wait_all(self, statuses, timeout_ms=-1):
-        seen.append((len(statuses), timeout_ms))
-        for status in statuses:
-            status.WaitFor(timeout_ms)
-
-    monkeypatch.setattr(fake_mori.IOEngine, "wait_all", wait_all, raising=False)
+def test_wait_goes_through_wait_all_in_short_slices(fabric):
     _, d, _, _, p_mem, d_mem = _setup()
     x = d.read(d_mem, p_mem, [0], [0], [64])
     with pytest.raises(TransferTimeout):
-        x.wait(timeout_s=0.02)
-    assert seen and all(n == 1 and 1 <= ms <= 50 for n, ms in seen)
-
-
-@pytest.mark.timeout(10)
-def test_polling_when_mori_has_no_timed_wait(fabric, monkeypatch):
-    monkeypatch.delattr(fake_mori.TransferStatus, "WaitFor")
-    _, d, _, _, p_mem, d_mem = _setup()
-    assert mori_status.choose_waiter(d._engine, fake_mori) is mori_status.poll_statuses
-    x = d.read(d_mem, p_mem, [0], [0], [64])
-    with pytest.raises(TransferTimeout):
-        x.wait(timeout_s=0.02)
+        x.wait(timeout_s=0.12)
+    waits = fabric.methods(d.mori_key, "wait_all")
+    # one status per batch, and no slice longer than 50 ms, so a peer failure is seen quickly
+    assert len(waits) >= 2 and all(n == 1 and 1 <= ms <= 50 for n, ms in waits)
     fabric.complete()
     x.wait(timeout_s=1.0)
 
