@@ -74,6 +74,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--decode-batch", type=int, default=64)
     p.add_argument("--decode-steps", type=int, default=64)
     p.add_argument("--decode-repeats", type=int, default=3)
+    p.add_argument(
+        "--threads", type=int, default=0, help="CPU: the bare engine's torch threads (0: as a worker)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tag", help="output name serving_<tag>.*; default cpu or gpu")
     p.add_argument("--commit", help="the commit measured (default: git describe)")
@@ -131,9 +134,11 @@ def main() -> None:
     config_path = a.config or ROOT / "configs" / default
     base_doc = yaml.safe_load(config_path.read_text())
     base_args = serve_args_of(config_path)
-    sizes = {"max_concurrency": max(a.concurrency), "max_prompt_len": max(a.prompt_lens)}
+    # room for the largest cell and for the decode-only batch, in every engine alike
+    sizes = {"max_concurrency": max(*a.concurrency, a.decode_batch), "max_prompt_len": max(a.prompt_lens)}
+    max_output = max(a.output_tokens, a.decode_steps + 2)
     configs = {
-        s: pipeline_args(base_args, s, gpu=device == "cuda", output_tokens=a.output_tokens, **sizes)
+        s: pipeline_args(base_args, s, gpu=device == "cuda", output_tokens=max_output, **sizes)
         for s in PIPELINES
     }
     run = Run(a, device, configs)
@@ -173,6 +178,8 @@ def main() -> None:
                 try:
                     engine_series(run)
                 except Exception as exc:
+                    print(f"[engine] failed: {exc!r}", flush=True)
+                    run.report["engine_error"] = repr(exc)[:500]
                     run.fail_series("engine", "python", f"engine failed: {exc!r}")
             if pipes:
                 all_pipelines(run, Path(tmp), base_doc)

@@ -27,10 +27,11 @@ def plot(report: dict[str, Any], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullLocator
 
     grid = report["grid"]
     lens, concs = grid["prompt_lens"], grid["concurrency"]
-    series = sorted({c["series"] for c in report["cells"]}, key=lambda s: (s != "engine", s))
+    series = list(dict.fromkeys(c["series"] for c in report["cells"]))  # in run order: the engine first
     fig, axes = plt.subplots(len(lens), len(PANELS), figsize=(6 * len(PANELS), 4 * len(lens)), squeeze=False)
     for row, prompt_len in enumerate(lens):
         for col, (title, key, q, scale) in enumerate(PANELS):
@@ -45,6 +46,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
                 style = {"color": "black", "linestyle": "--"} if name == "engine" else {}
                 ax.plot(concs, ys, marker="o", label=name, **style)
             ax.set(title=f"{title}, prompt {prompt_len}", xlabel="concurrency", xscale="log", yscale="log")
+            ax.xaxis.set_minor_locator(NullLocator())
             ax.set_xticks(concs, [str(c) for c in concs])
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7)

@@ -39,7 +39,7 @@ def _ms(seconds: float | None) -> str:
 
 
 def _x(ratio: float | None) -> str:
-    return "-" if ratio is None else f"{ratio:.2f}x"
+    return "" if ratio is None else f" ({ratio:.2f}x)"
 
 
 def cell_line(cell: dict[str, Any]) -> str:
@@ -47,13 +47,13 @@ def cell_line(cell: dict[str, Any]) -> str:
     summary = cell.get("summary")
     if summary is None:
         return f"{head} ERROR {cell.get('error')}"
-    ratio = cell.get("ratio_to_engine") or {}
+    ratio = {} if cell["series"] == "engine" else cell.get("ratio_to_engine") or {}
     ttft, tpot = summary["ttft_s"], summary["tpot_s"]
     parts = [
         f"{summary['num_ok']}/{summary['num_requests']} ok (planned {cell['planned_requests']})",
-        f"{summary['output_tok_s']:,.0f} tok/s ({_x(ratio.get('output_tok_s'))})",
-        f"TPOT p50 {_ms(tpot['p50'])} p99 {_ms(tpot['p99'])} ms ({_x(ratio.get('tpot_s.p50'))})",
-        f"TTFT p50 {_ms(ttft['p50'])} p99 {_ms(ttft['p99'])} ms ({_x(ratio.get('ttft_s.p50'))})",
+        f"{summary['output_tok_s']:,.0f} tok/s{_x(ratio.get('output_tok_s'))}",
+        f"TPOT p50 {_ms(tpot['p50'])} p99 {_ms(tpot['p99'])} ms{_x(ratio.get('tpot_s.p50'))}",
+        f"TTFT p50 {_ms(ttft['p50'])} p99 {_ms(ttft['p99'])} ms{_x(ratio.get('ttft_s.p50'))}",
     ]
     if "client" in cell:
         parts.append(
@@ -86,7 +86,7 @@ def goals(report: dict[str, Any]) -> list[dict[str, Any]]:
     short = _pick(grid["prompt_lens"], GOAL_LEN, min(grid["prompt_lens"]))
     one = min(grid["concurrency"])
     decode = (report.get("engine_decode_only") or {}).get("decode_tok_s")
-    series = sorted({cell["series"] for cell in report.get("cells", []) if cell["series"] != "engine"})
+    series = [s for s in dict.fromkeys(cell["series"] for cell in report.get("cells", [])) if s != "engine"]
     out: list[dict[str, Any]] = []
 
     def add(measure: str, goal: str, value: float | None, met: bool | None) -> None:
@@ -139,7 +139,7 @@ def markdown(report: dict[str, Any]) -> str:
     """The README tables: throughput per concurrency, then latency at c=1 and at the goal c."""
     grid = report["grid"]
     concs, lens = grid["concurrency"], grid["prompt_lens"]
-    series = sorted({cell["series"] for cell in report.get("cells", [])}, key=lambda s: (s != "engine", s))
+    series = list(dict.fromkeys(cell["series"] for cell in report.get("cells", [])))  # in run order
     decode = report.get("engine_decode_only") or {}
     lines = [
         f"Output tokens/s (ratio to the bare engine at the same concurrency), {grid['output_tokens']} output "

@@ -23,8 +23,8 @@ from bench.serving_systems import PIPELINES, TRANSPORTS
 
 # Assumed costs (s) for the estimate and the budget, replaced by measured ones as the run goes.
 STARTUP_S = {
-    "cuda": {"engine": 40.0, "launch": 45.0, "deploy": 10.0},
-    "cpu": {"engine": 5.0, "launch": 15.0, "deploy": 8.0},
+    "cuda": {"engine": 40.0, "launch": 45.0, "deploy": 10.0, "warmup": 5.0},
+    "cpu": {"engine": 5.0, "launch": 15.0, "deploy": 8.0, "warmup": 3.0},
 }
 # The bare engine's speed (bench/results/engine_*.json): a step takes a + c * b s; prefill tok/s.
 SPEED = {"cuda": (2.3e-3, 1.6e-5, 230e3), "cpu": (0.5e-3, 6.5e-5, 85e3)}
@@ -48,6 +48,8 @@ class Run:
         self.series += [(s, t) for s in PIPELINES if s in a.systems for t in TRANSPORTS if t in a.transports]
         self.grid = [(c, length) for length in a.prompt_lens for c in a.concurrency]
         self.cells_left = len(self.series) * len(self.grid)
+        self.warmups_left = len(self.series)
+        self.drain_s = 0.0  # how long the series' last cell ran past its box
         self.cells: list[dict[str, Any]] = []
         self.engine_cells: dict[tuple[int, int], dict[str, Any]] = {}
         self.done: set[str] = set()  # systems whose start-up is behind us
@@ -64,14 +66,15 @@ class Run:
             total += len(pipes) * self.startup["deploy"]
         if "engine" in self.a.systems and "engine" not in self.done:
             total += self.startup["engine"]
-        return total
+        return total + self.warmups_left * self.startup["warmup"]
 
     def soft_s(self) -> float | None:
         """The next cell's time box, or None when the budget is spent (the cell is skipped)."""
         remaining = self.a.budget_s - self.elapsed_s()
         if remaining <= 0:
             return None
-        return cell_budget_s(remaining, self.cells_left, self.startups_left_s(), self.a.max_cell_s)
+        reserved = self.startups_left_s()
+        return cell_budget_s(remaining, self.cells_left, reserved, self.drain_s, self.a.max_cell_s)
 
     def estimate_s(self, slowdown: float) -> float:
         """The whole run's expected seconds with pipelines ``slowdown`` times slower than the engine."""
@@ -133,11 +136,21 @@ class Run:
 
 
 async def run_series(run: Run, system: str, transport: str, cell: CellFn) -> None:
-    """Warm up (unrecorded), then every cell of the grid through ``cell(prompts, c, time box)``."""
+    """Warm up (unrecorded), then every cell of the grid through ``cell(prompts, c, time box)``.
+
+    The warm-up, per prompt length: --warmup requests at that concurrency (small decode batches),
+    then one wave at the largest concurrency (the large batches and the long contexts), so that
+    most CUDA graphs, which are captured on first use, exist before the first measured cell.
+    """
     a = run.a
+    t0 = time.perf_counter()
+    top = max(a.concurrency)
     for length in a.prompt_lens:
-        warm = schedule(a.warmup, length, run.vocab_size, a.seed + 1)
-        await cell(warm, min(a.warmup, max(a.concurrency)), None)
+        await cell(schedule(a.warmup, length, run.vocab_size, a.seed + 1), min(a.warmup, top), None)
+        await cell(schedule(top, length, run.vocab_size, a.seed + 2), top, None)
+    run.warmups_left -= 1
+    run.startup["warmup"] = time.perf_counter() - t0
+    run.drain_s = 0.0
     for c, length in run.grid:
         prompts = schedule(num_requests(c, a.requests_factor, a.min_requests), length, run.vocab_size, a.seed)
         soft = run.soft_s()
@@ -150,7 +163,17 @@ async def run_series(run: Run, system: str, transport: str, cell: CellFn) -> Non
         except Exception as exc:  # one cell's failure is recorded; the run goes on
             run.record(system, transport, c, length, len(prompts), soft, error=repr(exc)[:500])
             continue
-        extra.update(
-            records=records, wall_s=time.perf_counter() - t0, caller_cpu_s=time.process_time() - cpu0
+        wall_s = time.perf_counter() - t0
+        run.drain_s = max(0.0, wall_s - soft)
+        run.record(
+            system,
+            transport,
+            c,
+            length,
+            len(prompts),
+            soft,
+            records=records,
+            wall_s=wall_s,
+            caller_cpu_s=time.process_time() - cpu0,
+            **extra,
         )
-        run.record(system, transport, c, length, len(prompts), soft, **extra)

@@ -4,6 +4,7 @@ through ``run_series``, and its shut-down, also when something fails."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,12 @@ def engine_series(run: Run) -> None:
     """The bare engine (the colocated pipeline's model and engine config) and its decode-only rate."""
     a = run.a
     config = parse_pipeline_config(run.configs["colocated"])
+    if run.device == "cpu":
+        import torch
+
+        # as many threads as a Ray worker of the colocated role gets (OMP_NUM_THREADS = its num_cpus)
+        torch.set_num_threads(a.threads or max(1, int(config.pool.colocated.num_cpus)))
+        run.report["engine_cpu_threads"] = torch.get_num_threads()
     print(f"[engine] building ({config.model.preset}, {config.engine.device}) ...", flush=True)
     engine = BareEngine(config)
     run.done.add("engine")
@@ -50,9 +57,15 @@ def engine_series(run: Run) -> None:
     try:
         asyncio.run(run_series(run, "engine", "python", cell))
         print(f"[engine] decode-only at batch {a.decode_batch} ...", flush=True)
-        decode = engine.decode_only(a.decode_batch, min(a.prompt_lens), a.decode_steps, a.decode_repeats)
+        try:
+            decode = engine.decode_only(a.decode_batch, min(a.prompt_lens), a.decode_steps, a.decode_repeats)
+        except Exception as exc:
+            decode = {"batch": a.decode_batch, "decode_tok_s": None, "error": repr(exc)[:500]}
         run.report["engine_decode_only"] = decode
-        print(f"[engine] decode-only: {decode['decode_tok_s'] or 0:,.0f} tok/s", flush=True)
+        print(
+            f"[engine] decode-only: {decode['decode_tok_s'] or 0:,.0f} tok/s {decode.get('error', '')}",
+            flush=True,
+        )
     finally:
         engine.close()  # before any pipeline engine wants the device's memory
 
@@ -156,8 +169,11 @@ def all_pipelines(run: Run, work_dir: Path, base_doc: dict[str, Any]) -> None:
         if "http" in a.transports and a.http_server == "inproc":
             serve = InprocServe(free_port(), a.start_timeout_s)
             run.report["startup_s"]["serve_start"] = serve.start_s
+            if not a.ray_logs:  # after serve.start, which sets up this logger: one line per cell
+                logging.getLogger("ray.serve").setLevel(logging.WARNING)
         for system in (s for s in PIPELINES if s in a.systems):
-            pipeline_series(run, system, serve)
+            if "python" in a.transports or serve is not None:  # else only `serve run` needs it
+                pipeline_series(run, system, serve)
             if "http" in a.transports and a.http_server == "process":
                 process_series(run, system, work_dir, base_doc)
     finally:

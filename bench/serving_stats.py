@@ -172,16 +172,19 @@ def ratios(cell: dict[str, Any], base: dict[str, Any] | None) -> dict[str, float
     return out
 
 
-def cell_budget_s(remaining_s: float, cells_left: int, startups_left_s: float, cap_s: float) -> float:
-    """How long the next cell may keep adding requests, so that the run ends within its budget.
+def cell_budget_s(
+    remaining_s: float, cells_left: int, reserved_s: float, drain_s: float, cap_s: float
+) -> float:
+    """How long the next cell may keep starting requests, so that the run ends within its budget.
 
-    The time left after the start-ups still to come is shared evenly by the cells still to run;
-    never more than ``cap_s`` and never less than one second.
+    The time left after ``reserved_s`` (start-ups and warm-ups still to come) is shared evenly by
+    the cells still to run; ``drain_s`` (how long the last cell ran past its box while its last
+    requests finished) comes off each share. Never more than ``cap_s``, never under half a second.
     """
     if cells_left < 1:
         return cap_s
-    share = (remaining_s - startups_left_s) / cells_left
-    return max(1.0, min(cap_s, share))
+    share = (remaining_s - reserved_s) / cells_left - drain_s
+    return max(0.5, min(cap_s, share))
 
 
 def estimate_cell_s(

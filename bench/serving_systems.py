@@ -207,11 +207,12 @@ class BareEngine:
                 started |= ids
             runs.append({"decode_s": decode_s, "tokens": num_tokens, "steps": num_steps})
         rates = [r["tokens"] / r["decode_s"] for r in runs if r["decode_s"] > 0]
+        steps_ms = [1e3 * r["decode_s"] / r["steps"] for r in runs if r["steps"]]
         return {
             "batch": batch,
             "prompt_len": prompt_len,
             "decode_tok_s": statistics.median(rates) if rates else None,
-            "step_ms": statistics.median(1e3 * r["decode_s"] / r["steps"] for r in runs if r["steps"]),
+            "step_ms": statistics.median(steps_ms) if steps_ms else None,
             "runs": runs,
         }
 

@@ -107,11 +107,12 @@ def test_ratios_to_the_engine() -> None:
     assert ratios(cell, None) == {}
 
 
-def test_cell_budget_shares_the_time_left_after_startups() -> None:
-    assert cell_budget_s(100.0, 10, 40.0, cap_s=30.0) == pytest.approx(6.0)
-    assert cell_budget_s(1000.0, 2, 0.0, cap_s=30.0) == 30.0
-    assert cell_budget_s(10.0, 10, 40.0, cap_s=30.0) == 1.0  # never below a second
-    assert cell_budget_s(10.0, 0, 0.0, cap_s=30.0) == 30.0
+def test_cell_budget_shares_the_time_left_after_startups_and_drains() -> None:
+    assert cell_budget_s(100.0, 10, 40.0, 0.0, cap_s=30.0) == pytest.approx(6.0)
+    assert cell_budget_s(100.0, 10, 40.0, 2.5, cap_s=30.0) == pytest.approx(3.5)
+    assert cell_budget_s(1000.0, 2, 0.0, 0.0, cap_s=30.0) == 30.0
+    assert cell_budget_s(10.0, 10, 40.0, 0.0, cap_s=30.0) == 0.5  # never below half a second
+    assert cell_budget_s(10.0, 0, 0.0, 0.0, cap_s=30.0) == 30.0
 
 
 def test_estimate_cell_counts_waves_prefill_and_decode() -> None:
