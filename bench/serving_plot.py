@@ -27,7 +27,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import NullLocator
+    from matplotlib.ticker import FormatStrFormatter, NullLocator
 
     grid = report["grid"]
     lens, concs = grid["prompt_lens"], grid["concurrency"]
@@ -47,6 +47,8 @@ def plot(report: dict[str, Any], path: Path) -> None:
                 ax.plot(concs, ys, marker="o", label=name, **style)
             ax.set(title=f"{title}, prompt {prompt_len}", xlabel="concurrency", xscale="log", yscale="log")
             ax.xaxis.set_minor_locator(NullLocator())
+            ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
+            ax.yaxis.set_minor_formatter(FormatStrFormatter("%g"))
             ax.set_xticks(concs, [str(c) for c in concs])
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7)

@@ -40,9 +40,11 @@ def series_name(system: str, transport: str) -> str:
 class Run:
     """The plan (``a``: the parsed flags), the clock, the configs, and the report being filled in."""
 
-    def __init__(self, a: argparse.Namespace, device: str, configs: dict[str, dict[str, Any]]) -> None:
+    def __init__(
+        self, a: argparse.Namespace, device: str, configs: dict[str, dict[str, Any]], t0: float
+    ) -> None:
         self.a, self.device, self.configs = a, device, configs
-        self.t0 = time.perf_counter()
+        self.t0 = t0  # perf_counter at the start of the process
         self.startup = dict(STARTUP_S[device])
         self.series = [("engine", "python")] if "engine" in a.systems else []
         self.series += [(s, t) for s in PIPELINES if s in a.systems for t in TRANSPORTS if t in a.transports]

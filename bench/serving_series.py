@@ -67,7 +67,7 @@ def engine_series(run: Run) -> None:
             flush=True,
         )
     finally:
-        engine.close()  # before any pipeline engine wants the device's memory
+        run.report["engine_reserved_bytes_after_close"] = engine.close()  # before the pipelines start
 
 
 def python_series(run: Run, pipe: PythonPipeline, system: str) -> None:

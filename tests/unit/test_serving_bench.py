@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from typing import Any
 
 import pytest
 
@@ -17,6 +18,7 @@ from bench.serving_http import (
     stream_completion,
     tokens_in_event,
 )
+from bench.serving_report import goals, markdown
 from bench.serving_stats import (
     Record,
     cell_budget_s,
@@ -296,3 +298,44 @@ def test_stream_completion_records_an_http_error() -> None:
 
     rec = asyncio.run(main())
     assert rec.status == 429 and rec.error is not None and "too many" in rec.error and not rec.ok
+
+
+# -- the report ----------------------------------------------------------------------------------
+
+
+def _cell(series: str, c: int, length: int, tok_s: float, tpot_s: float, ttft_s: float) -> dict[str, Any]:
+    summary = {
+        "num_ok": 4,
+        "num_requests": 4,
+        "output_tok_s": tok_s,
+        "tpot_s": {"p50": tpot_s, "p99": 2 * tpot_s},
+        "ttft_s": {"p50": ttft_s, "p99": 2 * ttft_s},
+    }
+    return {"series": series, "concurrency": c, "prompt_len": length, "summary": summary}
+
+
+def test_goals_and_tables_from_a_report() -> None:
+    cells = []
+    for c in (1, 64):
+        for length in (128, 1024):
+            cells.append(_cell("engine", c, length, 1000.0 * c, 0.002, 0.010))
+            cells.append(_cell("colocated/python", c, length, 900.0 * c, 0.0023, 0.011))
+            cells.append(_cell("pd-read/python", c, length, 500.0 * c, 0.004, 0.030))
+    cells.append({"series": "pd-read/http", "concurrency": 1, "prompt_len": 128, "error": "launch failed"})
+    report = {
+        "grid": {"concurrency": [1, 64], "prompt_lens": [128, 1024], "output_tokens": 64},
+        "engine_decode_only": {"batch": 64, "decode_tok_s": 70000.0},
+        "cells": cells,
+    }
+    by = {row["measure"].split(":")[0]: row for row in goals(report)}
+    assert by["colocated/python c=64 prompt 128"]["value"] == pytest.approx(900 * 64 / 70000)
+    assert by["colocated/python c=64 prompt 128"]["met"] is False  # 0.82 < 0.85
+    assert by["colocated/python c=1 prompt 128"]["met"] is True  # TPOT + 0.3 ms
+    assert by["pd-read/python c=1 prompt 128"]["met"] is False  # TPOT + 2 ms
+    assert by["colocated/python c=1 prompt 1024"]["met"] is True  # TTFT + 1 ms
+    assert by["pd-read/python c=1 prompt 1024"]["met"] is None  # needs the raw transfer time
+    assert by["pd-read/http c=64 prompt 128"]["value"] is None  # a failed series decides nothing
+    table = markdown(report)
+    assert "| colocated/python | 128 | 900 (0.90) | 57,600 (0.90) |" in table
+    assert "| pd-read/http | 128 | - | - |" in table
+    assert "| engine | 1024 | 2.0 / 4.0 | 2.0 / 4.0 | 10.0 / 20.0 | 10.0 / 20.0 |" in table
