@@ -23,8 +23,8 @@ from bench.serving_systems import PIPELINES, TRANSPORTS
 
 # Assumed costs (s) for the estimate and the budget, replaced by measured ones as the run goes.
 STARTUP_S = {
-    "cuda": {"engine": 40.0, "launch": 45.0, "deploy": 10.0, "warmup": 5.0},
-    "cpu": {"engine": 5.0, "launch": 15.0, "deploy": 8.0, "warmup": 3.0},
+    "cuda": {"engine": 40.0, "ray": 10.0, "launch": 45.0, "deploy": 10.0, "warmup": 5.0},
+    "cpu": {"engine": 5.0, "ray": 12.0, "launch": 15.0, "deploy": 8.0, "warmup": 3.0},
 }
 # The bare engine's speed (bench/results/engine_*.json): a step takes a + c * b s; prefill tok/s.
 SPEED = {"cuda": (2.3e-3, 1.6e-5, 230e3), "cpu": (0.5e-3, 6.5e-5, 85e3)}
@@ -68,7 +68,13 @@ class Run:
             total += len(pipes) * self.startup["deploy"]
         if "engine" in self.a.systems and "engine" not in self.done:
             total += self.startup["engine"]
+        if pipes and "ray" not in self.done:  # ray.init and serve.start
+            total += self.startup["ray"]
         return total + self.warmups_left * self.startup["warmup"]
+
+    def can_start(self, kind: str) -> bool:
+        """Whether a start-up of ``kind`` (launch, deploy) still fits the budget with one cell after it."""
+        return self.elapsed_s() + self.startup[kind] + self.startup["warmup"] + 1.0 < self.a.budget_s
 
     def soft_s(self) -> float | None:
         """The next cell's time box, or None when the budget is spent (the cell is skipped)."""

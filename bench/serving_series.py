@@ -107,6 +107,11 @@ def http_series(run: Run, base_url: str, system: str) -> None:
 def pipeline_series(run: Run, system: str, serve: InprocServe | None) -> None:
     """One pipeline: launch it, its Python-API cells, its HTTP cells (in-cluster Serve), shut it down."""
     a, args = run.a, run.configs[system]
+    if not run.can_start("launch"):
+        run.done.add(system)
+        for transport in a.transports:
+            run.fail_series(system, transport, "skipped: no time left in the budget to launch it")
+        return
     print(f"[{system}] launching ...", flush=True)
     try:
         pipe = PythonPipeline(args, a.start_timeout_s)
@@ -124,7 +129,9 @@ def pipeline_series(run: Run, system: str, serve: InprocServe | None) -> None:
                 python_series(run, pipe, system)
             except Exception as exc:
                 run.fail_series(system, "python", f"series failed: {exc!r}")
-        if serve is not None:
+        if serve is not None and not run.can_start("deploy"):
+            run.fail_series(system, "http", "skipped: no time left in the budget to deploy it")
+        elif serve is not None:
             try:
                 deploy_s = serve.deploy(args)
                 run.startup["deploy"] = run.report["startup_s"][f"{system}.deploy"] = deploy_s
@@ -171,6 +178,8 @@ def all_pipelines(run: Run, work_dir: Path, base_doc: dict[str, Any]) -> None:
             run.report["startup_s"]["serve_start"] = serve.start_s
             if not a.ray_logs:  # after serve.start, which sets up this logger: one line per cell
                 logging.getLogger("ray.serve").setLevel(logging.WARNING)
+        run.startup["ray"] = time.perf_counter() - t0
+        run.done.add("ray")
         for system in (s for s in PIPELINES if s in a.systems):
             if "python" in a.transports or serve is not None:  # else only `serve run` needs it
                 pipeline_series(run, system, serve)
