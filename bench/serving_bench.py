@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, f
 from bench import serving_report
 from bench.serving_run import Run
 from bench.serving_series import all_pipelines, engine_series, probe_serve_process
-from bench.serving_stats import RAW_COLUMNS
+from bench.serving_stats import RAW_COLUMNS, describe
 from bench.serving_systems import PIPELINES, SYSTEMS, TRANSPORTS, pipeline_args, serve_args_of
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -186,9 +186,9 @@ def main() -> None:
                 try:
                     engine_series(run)
                 except Exception as exc:
-                    print(f"[engine] failed: {exc!r}", flush=True)
-                    run.report["engine_error"] = repr(exc)[:500]
-                    run.fail_series("engine", "python", f"engine failed: {exc!r}")
+                    print(f"[engine] failed: {describe(exc)}", flush=True)
+                    run.report["engine_error"] = describe(exc)
+                    run.fail_series("engine", "python", f"engine failed: {describe(exc)}")
             if pipes:
                 all_pipelines(run, Path(tmp), base_doc)
             if pipes and a.probe_serve_process:
@@ -214,7 +214,7 @@ def write(report: dict[str, Any], out: Path, tag: str) -> None:
 
         plot(report, stem.with_suffix(".png"))
     except Exception as exc:  # the JSON is what matters; say why the picture is missing
-        print(f"no plot: {exc!r}", flush=True)
+        print(f"no plot: {describe(exc)}", flush=True)
     shown = stem.relative_to(ROOT) if stem.is_relative_to(ROOT) else stem.name
     print(f"wrote {shown}.json, .md and .png after {report['elapsed_s']:.0f} s", flush=True)
 

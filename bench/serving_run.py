@@ -12,6 +12,7 @@ from bench import serving_report
 from bench.serving_stats import (
     Record,
     cell_budget_s,
+    describe,
     estimate_cell_s,
     num_requests,
     ratios,
@@ -169,7 +170,7 @@ async def run_series(run: Run, system: str, transport: str, cell: CellFn) -> Non
         try:
             records, extra = await cell(prompts, c, soft)
         except Exception as exc:  # one cell's failure is recorded; the run goes on
-            run.record(system, transport, c, length, len(prompts), soft, error=repr(exc)[:500])
+            run.record(system, transport, c, length, len(prompts), soft, error=describe(exc))
             continue
         wall_s = time.perf_counter() - t0
         run.drain_s = max(0.0, wall_s - soft)

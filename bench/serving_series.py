@@ -11,7 +11,7 @@ from typing import Any
 
 from bench.serving_client import run_http_cell
 from bench.serving_run import Run, run_series
-from bench.serving_stats import Record
+from bench.serving_stats import Record, describe
 from bench.serving_systems import PIPELINES, BareEngine, InprocServe, ProcessServe, PythonPipeline
 from moriio_ray import parse_pipeline_config
 from moriio_ray.serve.process import free_port
@@ -24,7 +24,7 @@ def _quietly(fn: Any, what: str) -> None:
     try:
         fn()
     except Exception as exc:
-        print(f"clean-up failed: {what}: {exc!r}", flush=True)
+        print(f"clean-up failed: {what}: {describe(exc)}", flush=True)
 
 
 def _deadline(soft: float | None) -> float | None:
@@ -60,7 +60,7 @@ def engine_series(run: Run) -> None:
         try:
             decode = engine.decode_only(a.decode_batch, min(a.prompt_lens), a.decode_steps, a.decode_repeats)
         except Exception as exc:
-            decode = {"batch": a.decode_batch, "decode_tok_s": None, "error": repr(exc)[:500]}
+            decode = {"batch": a.decode_batch, "decode_tok_s": None, "error": describe(exc)}
         run.report["engine_decode_only"] = decode
         print(
             f"[engine] decode-only: {decode['decode_tok_s'] or 0:,.0f} tok/s {decode.get('error', '')}",
@@ -117,7 +117,7 @@ def pipeline_series(run: Run, system: str, serve: InprocServe | None) -> None:
         pipe = PythonPipeline(args, a.start_timeout_s)
     except Exception as exc:
         for transport in a.transports:
-            run.fail_series(system, transport, f"launch failed: {exc!r}")
+            run.fail_series(system, transport, f"launch failed: {describe(exc)}")
         return
     finally:
         run.done.add(system)
@@ -128,7 +128,7 @@ def pipeline_series(run: Run, system: str, serve: InprocServe | None) -> None:
             try:
                 python_series(run, pipe, system)
             except Exception as exc:
-                run.fail_series(system, "python", f"series failed: {exc!r}")
+                run.fail_series(system, "python", f"series failed: {describe(exc)}")
         if serve is not None and not run.can_start("deploy"):
             run.fail_series(system, "http", "skipped: no time left in the budget to deploy it")
         elif serve is not None:
@@ -138,7 +138,7 @@ def pipeline_series(run: Run, system: str, serve: InprocServe | None) -> None:
                 print(f"[{system}] HTTP front end up in {deploy_s:.1f} s", flush=True)
                 http_series(run, serve.base_url, system)
             except Exception as exc:
-                run.fail_series(system, "http", f"HTTP series failed: {exc!r}")
+                run.fail_series(system, "http", f"HTTP series failed: {describe(exc)}")
             finally:
                 _quietly(serve.undeploy, f"serve.delete of {system}")
     finally:
@@ -151,14 +151,14 @@ def process_series(run: Run, system: str, work_dir: Path, base_doc: dict[str, An
     try:
         server = ProcessServe(base_doc, run.configs[system], work_dir)
     except Exception as exc:
-        run.fail_series(system, "http", f"serve run failed: {exc!r}")
+        run.fail_series(system, "http", f"serve run failed: {describe(exc)}")
         return
     try:
         run.report["startup_s"][f"{system}.serve_run"] = server.start_s
         print(f"[{system}] serve run healthy in {server.start_s:.1f} s", flush=True)
         http_series(run, server.base_url, system)
     except Exception as exc:
-        run.fail_series(system, "http", f"HTTP series failed: {exc!r}")
+        run.fail_series(system, "http", f"HTTP series failed: {describe(exc)}")
     finally:
         _quietly(server.stop, f"serve run of {system}")
 
@@ -197,7 +197,7 @@ def probe_serve_process(args: dict[str, Any], work_dir: Path, base_doc: dict[str
     try:
         server = ProcessServe(base_doc, args, work_dir)
     except Exception as exc:
-        return f"failed: {exc!r}"[:500]
+        return f"failed: {describe(exc)}"[:500]
     _quietly(server.stop, "the probe's serve run")
     print(f"[probe] serve run healthy in {server.start_s:.1f} s", flush=True)
     return server.start_s

@@ -59,6 +59,11 @@ class Record(msgspec.Struct, kw_only=True):
         return self.num_tokens / (self.last_s - self.sent_s) if self.last_s > self.sent_s else 0.0
 
 
+def describe(exc: BaseException) -> str:
+    """An exception as one line for the report: its type and message (Ray's carry the remote cause)."""
+    return f"{type(exc).__name__}: {exc}".replace("\n", " | ")[:500]
+
+
 def percentile(values: list[float], q: float) -> float | None:
     """The q-quantile (0 <= q <= 1) with linear interpolation between order statistics; None if empty."""
     if not 0.0 <= q <= 1.0:
