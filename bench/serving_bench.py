@@ -1,0 +1,223 @@
+"""The serving yardstick: pipelines against the bare engine on the same device, in one run.
+
+Systems, side by side on the same request stream: the bare engine (``Engine`` in this process,
+CUDA graphs on), the colocated pipeline, and the PD pipeline (P and D sharing the device: half a
+GPU each over cuda_ipc, or shm on the CPU) in READ and in WRITE mode. Each pipeline is measured
+through the Python API (``PDPipeline.stream``) and through HTTP (the OpenAI front end,
+``/v1/completions`` with ``stream: true``, read by the lean client of bench/serving_client.py,
+spread over --client-procs processes whose CPU time is recorded).
+
+A cell is one concurrency c and one prompt length: a closed loop keeps c requests in flight (a new
+one starts when one ends) until the cell's requests are done. Every request has a prompt of exactly
+that many token ids and generates exactly --output-tokens tokens (greedy, EOS ignored). Timed on the
+client, per request: TTFT (send to first token), TPOT ((last - first token) / (tokens - 1)), its
+own tokens/s; per cell: output tok/s (all tokens over first send to last token), TPOT and TTFT
+p50/p99, each also as a ratio to the bare engine at the same c and prompt length. The bare
+engine's decode-only tok/s at batch --decode-batch is the denominator of the issue's goals.
+
+The run keeps to --budget-s: a cell stops starting requests once its share of the time left is
+spent (the requests in flight finish), so a slow system yields fewer requests, not a late run.
+
+    python bench/serving_bench.py                 # GPU (llama-1b): the full grid within 420 s
+    python bench/serving_bench.py --concurrency 1,8 --prompt-lens 128 --output-tokens 16   # CPU check
+
+Writes bench/results/serving_<tag>.json (every request's numbers), .png and .md (the tables).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, for bench and moriio_ray
+
+from bench import serving_report
+from bench.serving_run import Run
+from bench.serving_series import all_pipelines, engine_series, probe_serve_process
+from bench.serving_stats import RAW_COLUMNS, describe
+from bench.serving_systems import PIPELINES, SYSTEMS, TRANSPORTS, pipeline_args, serve_args_of
+
+ROOT = Path(__file__).resolve().parents[1]
+T_START_S = time.perf_counter()  # the budget counts from here: torch, Ray and every start-up included
+
+
+def csv(kind: type) -> Any:
+    return lambda text: [kind(x) for x in text.split(",") if x]
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--config", type=Path, help="Serve config every system derives from (default by device)")
+    p.add_argument("--systems", type=csv(str), default=list(SYSTEMS), help=",".join(SYSTEMS))
+    p.add_argument("--transports", type=csv(str), default=list(TRANSPORTS), help=",".join(TRANSPORTS))
+    p.add_argument("--concurrency", type=csv(int), default=[1, 8, 32, 64, 128])
+    p.add_argument("--prompt-lens", type=csv(int), default=[128, 1024])
+    p.add_argument("--output-tokens", type=int, default=64)
+    p.add_argument("--requests-factor", type=int, default=4, help="requests per cell: factor * c ...")
+    p.add_argument("--min-requests", type=int, default=16, help="... and at least this many")
+    p.add_argument("--warmup", type=int, default=8, help="unrecorded requests per prompt length and series")
+    p.add_argument("--budget-s", type=float, default=420.0, help="the whole run, start-ups included")
+    p.add_argument("--max-cell-s", type=float, default=30.0, help="no cell starts requests for longer")
+    p.add_argument("--request-timeout-s", type=float, default=60.0)
+    p.add_argument("--start-timeout-s", type=float, default=180.0, help="each launch and deploy")
+    p.add_argument("--client-procs", type=int, default=max(1, min(8, (os.cpu_count() or 1) // 4)))
+    p.add_argument("--http-server", default="inproc", choices=["inproc", "process"])
+    p.add_argument("--probe-serve-process", action="store_true", help="also time one `serve run` start-up")
+    p.add_argument("--decode-batch", type=int, default=64)
+    p.add_argument("--decode-steps", type=int, default=64)
+    p.add_argument("--decode-repeats", type=int, default=3)
+    p.add_argument(
+        "--threads", type=int, default=0, help="CPU: the bare engine's torch threads (0: as a worker)"
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tag", help="output name serving_<tag>.*; default cpu or gpu")
+    p.add_argument("--commit", help="the commit measured (default: git describe)")
+    p.add_argument("--ray-logs", action="store_true", help="show the workers' logs on stdout")
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    p.add_argument("--rewrite", type=Path, help="only redo the goals, tables and plot of this JSON")
+    a = p.parse_args()
+    for name, allowed in (("systems", SYSTEMS), ("transports", TRANSPORTS)):
+        bad = [x for x in getattr(a, name) if x not in allowed]
+        if bad or not getattr(a, name):
+            p.error(f"--{name}: {(bad or [''])[0]!r} is not one of {', '.join(allowed)}")
+    if not a.concurrency or not a.prompt_lens or min(a.concurrency + a.prompt_lens) < 1:
+        p.error("--concurrency and --prompt-lens: give positive integers, comma-separated")
+    if a.output_tokens < 2:
+        p.error("--output-tokens: must be >= 2 (TPOT needs two tokens)")
+    return a
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True, text=True, timeout=10
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    return out.stdout.strip() or "unknown"
+
+
+def environment(device: str) -> dict[str, Any]:
+    import msgspec
+    import ray
+    import torch
+
+    name = torch.cuda.get_device_name() if device == "cuda" else platform.processor() or platform.machine()
+    return {
+        "machine": platform.machine(),
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "ray": ray.__version__,
+        "msgspec": msgspec.__version__,
+        "device": name,
+        "load_avg_1m_before": os.getloadavg()[0],
+    }
+
+
+def main() -> None:
+    a = parse_args()
+    if a.rewrite:
+        report = json.loads(a.rewrite.read_text())
+        report["goals"] = serving_report.goals(report)
+        write(report, a.rewrite.parent, report["tag"])
+        return
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a kill still runs the clean-up below
+    import torch
+    import yaml
+
+    device = "cuda" if a.device == "cuda" or (a.device == "auto" and torch.cuda.is_available()) else "cpu"
+    tag = a.tag or ("gpu" if device == "cuda" else "cpu")
+    default = "llama1b_1p1d_cuda.yaml" if device == "cuda" else "tiny_1p1d_cpu.yaml"
+    config_path = a.config or ROOT / "configs" / default
+    base_doc = yaml.safe_load(config_path.read_text())
+    base_args = serve_args_of(config_path)
+    # room for the largest cell and for the decode-only batch, in every engine alike
+    sizes = {"max_concurrency": max(*a.concurrency, a.decode_batch), "max_prompt_len": max(a.prompt_lens)}
+    max_output = max(a.output_tokens, a.decode_steps + 2)
+    configs = {
+        s: pipeline_args(base_args, s, gpu=device == "cuda", output_tokens=max_output, **sizes)
+        for s in PIPELINES
+    }
+    run = Run(a, device, configs, T_START_S)
+    print(
+        f"serving_bench on {device}: {len(run.series)} series x {len(run.grid)} cells, budget "
+        f"{a.budget_s:.0f} s; estimated {run.estimate_s(1.0):.0f} s at the bare engine's speed, "
+        f"{run.estimate_s(10.0):.0f} s with pipelines 10x slower (cells are time-boxed to the budget)",
+        flush=True,
+    )
+    run.report.update(
+        benchmark="serving_bench",
+        tag=tag,
+        commit=a.commit or git_commit(),
+        model=(base_args.get("model") or {}).get("preset") or "custom",
+        config=config_path.name,
+        args={k: (v.name if isinstance(v, Path) else v) for k, v in vars(a).items() if k != "out"},
+        environment=environment(device),
+        grid={
+            "concurrency": a.concurrency,
+            "prompt_lens": a.prompt_lens,
+            "output_tokens": a.output_tokens,
+            "requests_factor": a.requests_factor,
+            "min_requests": a.min_requests,
+        },
+        http_server=serving_report.HTTP_SERVER[a.http_server],
+        notes=serving_report.NOTES,
+        systems={
+            "engine": {"config": configs["colocated"], "role": "colocated", "cuda_graphs": True},
+            **{s: {"config": configs[s]} for s in PIPELINES},
+        },
+        raw_columns=RAW_COLUMNS,
+    )
+    pipes = [s for s in PIPELINES if s in a.systems]
+    try:
+        with tempfile.TemporaryDirectory(prefix="msb") as tmp:
+            if "engine" in a.systems:
+                try:
+                    engine_series(run)
+                except Exception as exc:
+                    print(f"[engine] failed: {describe(exc)}", flush=True)
+                    run.report["engine_error"] = describe(exc)
+                    run.fail_series("engine", "python", f"engine failed: {describe(exc)}")
+            if pipes:
+                all_pipelines(run, Path(tmp), base_doc)
+            if pipes and a.probe_serve_process:
+                probe = probe_serve_process(configs[pipes[0]], Path(tmp), base_doc)
+                run.report["startup_s"]["serve_process_probe"] = probe
+    finally:
+        run.report["cells"] = run.cells
+        run.report["goals"] = serving_report.goals(run.report)
+        run.report["elapsed_s"] = run.elapsed_s()
+        run.report["environment"]["load_avg_1m_after"] = os.getloadavg()[0]
+        write(run.report, a.out, tag)
+
+
+def write(report: dict[str, Any], out: Path, tag: str) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"serving_{tag}"
+    stem.with_suffix(".json").write_text(json.dumps(report, indent=1))
+    table = serving_report.markdown(report)
+    stem.with_suffix(".md").write_text(table)
+    print("\n" + table + "\n" + serving_report.goals_text(report["goals"]), flush=True)
+    try:
+        from bench.serving_plot import plot
+
+        plot(report, stem.with_suffix(".png"))
+    except Exception as exc:  # the JSON is what matters; say why the picture is missing
+        print(f"no plot: {describe(exc)}", flush=True)
+    shown = stem.relative_to(ROOT) if stem.is_relative_to(ROOT) else stem.name
+    print(f"wrote {shown}.json, .md and .png after {report['elapsed_s']:.0f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,341 @@
+"""The serving benchmark's pure parts: percentiles, the schedule, summaries and budgets, the HTTP/SSE
+parsers, the split of a cell over client processes, and the client against a local socket server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+
+from bench.serving_client import assign, closed_loop, split_concurrency
+from bench.serving_http import (
+    ChunkedDecoder,
+    Connection,
+    ProtocolError,
+    SSEParser,
+    stream_completion,
+    tokens_in_event,
+)
+from bench.serving_report import goals, markdown
+from bench.serving_stats import (
+    Record,
+    cell_budget_s,
+    estimate_cell_s,
+    num_requests,
+    percentile,
+    ratios,
+    relative,
+    schedule,
+    summarize,
+)
+from bench.serving_systems import PIPELINES, pipeline_args
+from moriio_ray import parse_pipeline_config
+
+# -- percentiles, schedule, summaries ---------------------------------------------------------------
+
+
+def test_percentile_interpolates_between_order_statistics() -> None:
+    values = [4.0, 1.0, 3.0, 2.0]
+    assert percentile(values, 0.0) == 1.0
+    assert percentile(values, 1.0) == 4.0
+    assert percentile(values, 0.5) == pytest.approx(2.5)
+    assert percentile(values, 0.99) == pytest.approx(3.97)
+    assert percentile([7.0], 0.99) == 7.0
+    assert percentile([], 0.5) is None
+    with pytest.raises(ValueError, match="q"):
+        percentile(values, 1.5)
+
+
+def test_num_requests_is_waves_of_concurrency_with_a_floor() -> None:
+    assert num_requests(1, 4, 16) == 16
+    assert num_requests(64, 4, 16) == 256
+    with pytest.raises(ValueError):
+        num_requests(0, 4, 16)
+
+
+def test_schedule_is_deterministic_exact_length_and_in_range() -> None:
+    a = schedule(5, 128, 128256, seed=3)
+    assert a == schedule(5, 128, 128256, seed=3)
+    assert len(a) == 5 and all(len(p) == 128 for p in a)
+    assert all(0 <= t < 256 for p in a for t in p)
+    assert schedule(5, 128, 128256, seed=4) != a
+    assert schedule(5, 128, 300, seed=3) == a  # any vocabulary of 256+ ids gives the same stream
+    assert all(t < 100 for p in schedule(3, 64, 100, seed=0) for t in p)
+
+
+def _rec(index: int, sent: float, first: float, last: float, tokens: int, error: str | None = None) -> Record:
+    return Record(
+        index=index,
+        sent_s=sent,
+        first_s=first,
+        last_s=last,
+        done_s=last,
+        num_tokens=tokens,
+        num_chunks=tokens,
+        status=200,
+        error=error,
+    )
+
+
+def test_summarize_ttft_tpot_throughput_and_short_requests() -> None:
+    records = [
+        _rec(0, 10.0, 10.1, 10.4, 4),  # TTFT 0.1, TPOT 0.1
+        _rec(1, 10.0, 10.3, 10.9, 4),  # TTFT 0.3, TPOT 0.2
+        _rec(2, 10.5, 10.6, 10.7, 2),  # too few tokens: an error
+        Record(index=3, sent_s=10.2, status=500, error="boom"),
+    ]
+    s = summarize(records, expected_tokens=4)
+    assert (s["num_requests"], s["num_ok"], s["num_errors"]) == (4, 2, 2)
+    assert s["output_tokens"] == 8
+    assert s["span_s"] == pytest.approx(0.9)
+    assert s["output_tok_s"] == pytest.approx(8 / 0.9)
+    assert s["ttft_s"]["p50"] == pytest.approx(0.2)
+    assert s["tpot_s"]["mean"] == pytest.approx(0.15)
+    assert s["tokens_per_chunk"] == 1.0
+    assert any("expected 4" in e for e in s["errors"]) and any("boom" in e for e in s["errors"])
+    rows = relative(records)
+    assert rows[0][:3] == [0, 0.0, pytest.approx(0.1)]
+    assert rows[3][2] is None and rows[3][-1] == "boom"
+
+
+def test_ratios_to_the_engine() -> None:
+    cell = {"output_tok_s": 50.0, "tpot_s": {"p50": 0.02, "p99": 0.04}, "ttft_s": {"p50": 0.1, "p99": None}}
+    base = {"output_tok_s": 100.0, "tpot_s": {"p50": 0.01, "p99": 0.02}, "ttft_s": {"p50": 0.05, "p99": 0.1}}
+    r = ratios(cell, base)
+    assert r["output_tok_s"] == 0.5 and r["tpot_s.p50"] == 2.0 and r["ttft_s.p50"] == 2.0
+    assert r["ttft_s.p99"] is None
+    assert ratios(cell, None) == {}
+
+
+def test_cell_budget_shares_the_time_left_after_startups_and_drains() -> None:
+    assert cell_budget_s(100.0, 10, 40.0, 0.0, cap_s=30.0) == pytest.approx(6.0)
+    assert cell_budget_s(100.0, 10, 40.0, 2.5, cap_s=30.0) == pytest.approx(3.5)
+    assert cell_budget_s(1000.0, 2, 0.0, 0.0, cap_s=30.0) == 30.0
+    assert cell_budget_s(10.0, 10, 40.0, 0.0, cap_s=30.0) == 0.5  # never below half a second
+    assert cell_budget_s(10.0, 0, 0.0, 0.0, cap_s=30.0) == 30.0
+
+
+def test_estimate_cell_counts_waves_prefill_and_decode() -> None:
+    s = estimate_cell_s(8, 100, 20, 11, step_s=0.01, step_per_seq_s=0.001, prefill_tok_s=800.0)
+    assert s == pytest.approx(3 * (8 * 100 / 800.0 + 10 * (0.01 + 8 * 0.001)))
+
+
+# -- configs -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("gpu", [False, True])
+def test_pipeline_args_derive_each_system(gpu: bool) -> None:
+    base = {"model": {"preset": "tiny"}, "engine": {"block_size": 16, "gpu_memory_fraction": 0.6}}
+    for system in PIPELINES:
+        args = pipeline_args(
+            base, system, gpu=gpu, max_concurrency=128, max_prompt_len=1024, output_tokens=64
+        )
+        cfg = parse_pipeline_config(args)
+        assert cfg.engine.max_num_seqs == 128
+        assert cfg.engine.num_blocks is not None and cfg.engine.num_blocks >= 128 * (1024 + 64) // 16
+        assert cfg.engine.max_num_batched_tokens >= 1024
+        assert cfg.serve.max_ongoing_requests >= 128
+        assert cfg.transfer.backend == ("cuda_ipc" if gpu else "shm")
+        if system == "colocated":
+            assert cfg.mode == "colocated" and cfg.pool.colocated.num_gpus == (1.0 if gpu else 0.0)
+        else:
+            assert cfg.mode == system.removeprefix("pd-")
+            assert cfg.pool.prefill.num_gpus == cfg.pool.decode.num_gpus == (0.5 if gpu else 0.0)
+    assert base == {"model": {"preset": "tiny"}, "engine": {"block_size": 16, "gpu_memory_fraction": 0.6}}
+    with pytest.raises(ValueError, match="system"):
+        pipeline_args(base, "engine", gpu=gpu, max_concurrency=1, max_prompt_len=8, output_tokens=2)
+
+
+# -- HTTP and SSE --------------------------------------------------------------------------------
+
+
+def _chunked(*pieces: bytes) -> bytes:
+    return b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in pieces) + b"0\r\n\r\n"
+
+
+def test_chunked_decoder_any_split() -> None:
+    body = [b"data: a\n\n", b"data: bb\n", b"\ndata: [DONE]\n\n"]
+    raw = _chunked(*body)
+    for cut in range(1, 12):
+        dec = ChunkedDecoder()
+        out = b"".join(dec.feed(raw[i : i + cut]) for i in range(0, len(raw), cut))
+        assert out == b"".join(body) and dec.done
+    dec = ChunkedDecoder()
+    dec.feed(b"3;ext=1\r\nabc\r\n")
+    assert not dec.done
+    with pytest.raises(ProtocolError, match="chunk size"):
+        ChunkedDecoder().feed(b"zz\r\n")
+    with pytest.raises(ProtocolError, match="CRLF"):
+        ChunkedDecoder().feed(b"1\r\naXY")
+
+
+def test_sse_parser_events_across_feeds_crlf_comments_multiline() -> None:
+    stream = b': hi\r\ndata: {"a": 1}\r\n\r\ndata:x\ndata: y\n\nevent: e\nid: 3\n\ndata: [DONE]\n\n'
+    for cut in (1, 2, 5, len(stream)):
+        sse = SSEParser()
+        events = [e for i in range(0, len(stream), cut) for e in sse.feed(stream[i : i + cut])]
+        assert events == [b'{"a": 1}', b"x\ny", b"[DONE]"]
+
+
+def _event(num_tokens: int) -> bytes:
+    lp = {"tokens": ["t"] * num_tokens, "token_logprobs": [0.0] * num_tokens, "text_offset": [0] * num_tokens}
+    return json.dumps({"id": "x", "choices": [{"index": 0, "text": "t", "logprobs": lp}]}).encode()
+
+
+def test_tokens_in_event() -> None:
+    assert tokens_in_event(_event(3)) == 3
+    assert tokens_in_event(b"[DONE]") == -1
+    assert tokens_in_event(b'{"choices": [], "usage": {"prompt_tokens": 1}}') == 0
+    assert tokens_in_event(b'{"choices": [{"text": "a", "logprobs": null}]}') == 0
+    with pytest.raises(ProtocolError, match="overloaded"):
+        tokens_in_event(b'{"error": {"message": "overloaded", "code": 503}}')
+    with pytest.raises(ProtocolError, match="not a completion chunk"):
+        tokens_in_event(b"{not json")
+
+
+def test_split_concurrency_and_assign() -> None:
+    assert split_concurrency(1, 4) == [1]
+    assert split_concurrency(8, 4) == [2, 2, 2, 2]
+    assert split_concurrency(10, 4) == [3, 3, 2, 2]
+    groups = assign(20, [3, 3, 2, 2])
+    assert sorted(i for g in groups for i in g) == list(range(20))
+    assert [len(g) for g in groups] == [6, 6, 4, 4]
+    assert all(g == sorted(g) for g in groups)
+
+
+@pytest.mark.timeout(20)
+def test_closed_loop_keeps_concurrency_and_soft_deadline() -> None:
+    async def main() -> tuple[list[Record], int, list[Record]]:
+        running = peak = 0
+
+        async def one(slot: int, item: int) -> Record:
+            nonlocal running, peak
+            running += 1
+            peak = max(peak, running)
+            await asyncio.sleep(0.001)
+            running -= 1
+            return Record(index=item, status=200)
+
+        def timed_out(slot: int, item: int) -> Record:
+            return Record(index=item, error="timeout")
+
+        records = await closed_loop(
+            list(range(30)), 4, one, soft_deadline_s=None, timeout_s=5.0, on_timeout=timed_out
+        )
+        stopped = await closed_loop(
+            list(range(30)), 4, one, soft_deadline_s=0.0, timeout_s=5.0, on_timeout=timed_out
+        )
+        return records, peak, stopped
+
+    records, peak, stopped = asyncio.run(main())
+    assert sorted(r.index for r in records) == list(range(30)) and peak == 4
+    assert stopped == []  # past the soft deadline, nothing starts
+
+
+@pytest.mark.timeout(20)
+def test_stream_completion_against_a_local_chunked_sse_server() -> None:
+    """Two requests on one keep-alive connection; the server splits events across chunks and reads."""
+    requests: list[bytes] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        for _ in range(2):
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = int(
+                next(h for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")).split(b":")[1]
+            )
+            requests.append(await reader.readexactly(length))
+            writer.write(
+                b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+            )
+            frames = b"".join(b"data: " + _event(n) + b"\n\n" for n in (1, 2, 1)) + b"data: [DONE]\n\n"
+            for i in range(0, len(frames), 37):  # chunks that cut events anywhere
+                writer.write(b"%x\r\n%s\r\n" % (len(frames[i : i + 37]), frames[i : i + 37]))
+                await writer.drain()
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+        writer.close()
+
+    async def main() -> list[Record]:
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        conn = Connection("127.0.0.1", port)
+        await conn.open()
+        try:
+            return [await stream_completion(conn, "/v1/completions", i, b'{"i": %d}' % i) for i in range(2)]
+        finally:
+            conn.close()
+            server.close()
+            await server.wait_closed()
+
+    records = asyncio.run(main())
+    assert requests == [b'{"i": 0}', b'{"i": 1}']
+    for i, rec in enumerate(records):
+        assert rec.index == i and rec.status == 200 and rec.error is None
+        assert rec.num_tokens == 4 and rec.num_chunks == 3
+        assert rec.sent_s <= rec.first_s <= rec.last_s <= rec.done_s
+
+
+@pytest.mark.timeout(20)
+def test_stream_completion_records_an_http_error() -> None:
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        body = b'{"error": {"message": "too many"}}'
+        writer.write(b"HTTP/1.1 429 Too Many\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+        await writer.drain()
+        writer.close()
+
+    async def main() -> Record:
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        conn = Connection("127.0.0.1", server.sockets[0].getsockname()[1])
+        try:
+            return await stream_completion(conn, "/v1/completions", 0, b"{}")
+        finally:
+            conn.close()
+            server.close()
+            await server.wait_closed()
+
+    rec = asyncio.run(main())
+    assert rec.status == 429 and rec.error is not None and "too many" in rec.error and not rec.ok
+
+
+# -- the report ----------------------------------------------------------------------------------
+
+
+def _cell(series: str, c: int, length: int, tok_s: float, tpot_s: float, ttft_s: float) -> dict[str, Any]:
+    summary = {
+        "num_ok": 4,
+        "num_requests": 4,
+        "output_tok_s": tok_s,
+        "tpot_s": {"p50": tpot_s, "p99": 2 * tpot_s},
+        "ttft_s": {"p50": ttft_s, "p99": 2 * ttft_s},
+    }
+    return {"series": series, "concurrency": c, "prompt_len": length, "summary": summary}
+
+
+def test_goals_and_tables_from_a_report() -> None:
+    cells = []
+    for c in (1, 64):
+        for length in (128, 1024):
+            cells.append(_cell("engine", c, length, 1000.0 * c, 0.002, 0.010))
+            cells.append(_cell("colocated/python", c, length, 900.0 * c, 0.0023, 0.011))
+            cells.append(_cell("pd-read/python", c, length, 500.0 * c, 0.004, 0.030))
+    cells.append({"series": "pd-read/http", "concurrency": 1, "prompt_len": 128, "error": "launch failed"})
+    report = {
+        "grid": {"concurrency": [1, 64], "prompt_lens": [128, 1024], "output_tokens": 64},
+        "engine_decode_only": {"batch": 64, "decode_tok_s": 70000.0},
+        "cells": cells,
+    }
+    by = {row["measure"].split(":")[0]: row for row in goals(report)}
+    assert by["colocated/python c=64 prompt 128"]["value"] == pytest.approx(900 * 64 / 70000)
+    assert by["colocated/python c=64 prompt 128"]["met"] is False  # 0.82 < 0.85
+    assert by["colocated/python c=1 prompt 128"]["met"] is True  # TPOT + 0.3 ms
+    assert by["pd-read/python c=1 prompt 128"]["met"] is False  # TPOT + 2 ms
+    assert by["colocated/python c=1 prompt 1024"]["met"] is True  # TTFT + 1 ms
+    assert by["pd-read/python c=1 prompt 1024"]["met"] is None  # needs the raw transfer time
+    assert by["pd-read/http c=64 prompt 128"]["value"] is None  # a failed series decides nothing
+    table = markdown(report)
+    assert "| colocated/python | 128 | 900 (0.90) | 57,600 (0.90) |" in table
+    assert "| pd-read/http | 128 | - | - |" in table
+    assert "| engine | 1024 | 2.0 / 4.0 | 2.0 / 4.0 | 10.0 / 20.0 | 10.0 / 20.0 |" in table
