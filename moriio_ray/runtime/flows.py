@@ -35,6 +35,7 @@ from moriio_ray.runtime.messages import (
     GenRequest,
     Handoff,
     Member,
+    PeerRef,
     RequestOutput,
     Reservation,
     Timings,
@@ -81,9 +82,9 @@ class Mode:
 
 
 MODES = {
-    "read": Mode("read", False, True, lambda p, req, _res, d: p.actor.prefill.remote(req, d.actor)),
+    "read": Mode("read", False, True, lambda p, req, _res, d: p.actor.prefill.remote(req, _ref(d))),
     "write": Mode(
-        "write", True, False, lambda p, req, res, d: p.actor.prefill_push.remote(req, res, d.actor)
+        "write", True, False, lambda p, req, res, d: p.actor.prefill_push.remote(req, res, _ref(d))
     ),
 }
 
@@ -295,6 +296,10 @@ def _merge(items: list[RequestOutput]) -> TokenChunk:
         if item.finished:
             break
     return chunk
+
+
+def _ref(member: Member) -> PeerRef:
+    return PeerRef(member.key, member.epoch)
 
 
 def _lp(logprob: float | None) -> list[float] | None:

@@ -93,6 +93,14 @@ class PushResult(msgspec.Struct, frozen=True, kw_only=True):
 Handoff = KVHandle | PushResult  # what P hands to D
 
 
+class PeerRef(msgspec.Struct, frozen=True, array_like=True):
+    """A worker named by key and epoch (a peer resolves it once through the coordinator and
+    caches it, instead of deserializing an actor handle in every call)."""
+
+    key: str
+    epoch: int
+
+
 class DecodeStart(msgspec.Struct, frozen=True, kw_only=True):
     """What ``decode`` returns once the request decodes on D (its tokens follow on the stream)."""
 

@@ -20,6 +20,7 @@ from moriio_ray.runtime.messages import (
     Handoff,
     KVHandle,
     Member,
+    PeerRef,
     PushResult,
     Reservation,
     Role,
@@ -135,12 +136,12 @@ class EngineWorker:
 
     # -- prefill --------------------------------------------------------------------------------
 
-    async def prefill(self, req: GenRequest, deliver_to: Any = None) -> KVHandle:
+    async def prefill(self, req: GenRequest, deliver_to: PeerRef | None = None) -> KVHandle:
         """READ: prefill, lease the prompt's blocks, hand the handle to ``deliver_to`` (D) and return it."""
         return await self._side_p().prefill(req, deliver_to)
 
     async def prefill_push(
-        self, req: GenRequest, reservation: Reservation, deliver_to: Any = None
+        self, req: GenRequest, reservation: Reservation, deliver_to: PeerRef | None = None
     ) -> PushResult:
         """WRITE: prefill while pushing each layer into D's reservation; hand the result to D."""
         return await self._side_p().prefill_push(req, reservation, deliver_to)

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
 
 from moriio_ray import metrics
 from moriio_ray.engine.outputs import PrefillResult
 from moriio_ray.runtime.deadline import deadline
-from moriio_ray.runtime.messages import GenRequest, KVHandle, PushResult, Reservation
+from moriio_ray.runtime.messages import GenRequest, Handoff, KVHandle, PeerRef, PushResult, Reservation
 from moriio_ray.worker.core import WorkerCore
 from moriio_ray.worker.push import LayerPusher
 from moriio_ray.worker.requests import WorkerRequest
@@ -22,7 +21,7 @@ class PrefillSide:
         self.core = core
         core.engine.set_layer_hook(self._on_layer)
 
-    async def prefill(self, req: GenRequest, deliver_to: Any = None) -> KVHandle:
+    async def prefill(self, req: GenRequest, deliver_to: PeerRef | None = None) -> KVHandle:
         """READ: prefill, sample the first token and lease the prompt's blocks for D to read."""
         c = self.core
         rec = c.table.open(req.request_id)
@@ -42,8 +41,7 @@ class PrefillSide:
                 prefill_s=prefill_s,
                 finish_reason=reason,
             )
-            if deliver_to is not None:
-                deliver_to.deliver.remote(req.request_id, handle)
+            await self._deliver(deliver_to, req.request_id, handle)
             ok = True
             return handle
         finally:
@@ -52,7 +50,7 @@ class PrefillSide:
                 c.loop.post(lambda: c.engine.abort(req.request_id))
 
     async def prefill_push(
-        self, req: GenRequest, reservation: Reservation, deliver_to: Any = None
+        self, req: GenRequest, reservation: Reservation, deliver_to: PeerRef | None = None
     ) -> PushResult:
         """WRITE: prefill while pushing each computed layer into D's reserved blocks; then free ours."""
         c = self.core
@@ -89,13 +87,18 @@ class PrefillSide:
                 num_segments=pusher.num_segments,
                 finish_reason=reason,
             )
-            if deliver_to is not None:
-                deliver_to.deliver.remote(req.request_id, result)
+            await self._deliver(deliver_to, req.request_id, result)
             return result
         finally:
             c.table.close(rec)
             # P keeps nothing once the push is over (or failed): D holds the KV now.
             c.loop.post(lambda: c.engine.abort(req.request_id))
+
+    async def _deliver(self, to: PeerRef | None, request_id: str, result: Handoff) -> None:
+        """Hand the result straight to D (one Ray call; the caller gets its own copy)."""
+        if to is not None:
+            peer = await self.core.peers.get(to.key, to.epoch)
+            peer.actor.deliver.remote(request_id, result)
 
     async def release(self, transfer_id: str) -> bool:
         """D has read (or given up on) a lease: free P's blocks now."""
