@@ -126,6 +126,7 @@ class BareEngine:
 
         t0 = time.perf_counter()
         self.engine: Any = Engine(config.model, config.engine, role="colocated", cuda_graphs=True)
+        self.num_graphs = self.engine.capture_graphs()  # as every GPU worker does before serving
         self.build_s = time.perf_counter() - t0
         self.device = str(self.engine.device)
         self.vocab_size = int(self.engine.args.vocab_size)
