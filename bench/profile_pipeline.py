@@ -45,8 +45,15 @@ def config(a: argparse.Namespace) -> Any:
         {
             "name": f"profile-{a.mode}",
             "model": {"preset": a.preset, "max_model_len": a.prompt_len + a.output_tokens + 32},
-            "engine": {"device": a.device, "num_blocks": 4096 if gpu else 1024, "max_num_seqs": a.concurrency},
-            "transfer": {"backend": "cuda_ipc" if gpu else "shm", "mode": "read" if a.mode == "colocated" else a.mode},
+            "engine": {
+                "device": a.device,
+                "num_blocks": 4096 if gpu else 1024,
+                "max_num_seqs": a.concurrency,
+            },
+            "transfer": {
+                "backend": "cuda_ipc" if gpu else "shm",
+                "mode": "read" if a.mode == "colocated" else a.mode,
+            },
             "pool": pool,
         }
     )
@@ -97,7 +104,9 @@ def main() -> None:
     ray.init(include_dashboard=False, log_to_driver=False, **({} if a.device == "cuda" else {"num_cpus": 4}))
     pipe = PDPipeline.launch(config(a))
     try:
-        prompts = [[(i * 7 + j) % 200 + 10 for j in range(a.prompt_len)] for i in range(a.concurrency * a.waves)]
+        prompts = [
+            [(i * 7 + j) % 200 + 10 for j in range(a.prompt_len)] for i in range(a.concurrency * a.waves)
+        ]
         params = SamplingParams(max_tokens=a.output_tokens, ignore_eos=True)
         pipe.generate_batch(prompts[: a.concurrency], params, max_concurrency=a.concurrency)  # warm-up
         workers = {k: ray.get(pipe.coordinator.lookup.remote(k)) for k in pipe.stats()["workers"]}
@@ -107,9 +116,25 @@ def main() -> None:
         if spy is not None:
             for name, pid in pids.items():
                 out = a.out / f"spy_{a.mode}_{name}.txt"
-                cmd = [spy, "record", "-p", str(pid), "-d", str(int(a.seconds)), "-r", str(a.rate), "-f", "raw"]
+                cmd = [
+                    spy,
+                    "record",
+                    "-p",
+                    str(pid),
+                    "-d",
+                    str(int(a.seconds)),
+                    "-r",
+                    str(a.rate),
+                    "-f",
+                    "raw",
+                ]
                 cmd += ["-o", str(out), "--threads", "--gil", "--nonblocking"]
-                procs[name] = (subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=(a.out / f"spy_{a.mode}_{name}.log").open("w")), out)
+                procs[name] = (
+                    subprocess.Popen(
+                        cmd, stdout=subprocess.DEVNULL, stderr=(a.out / f"spy_{a.mode}_{name}.log").open("w")
+                    ),
+                    out,
+                )
         t0 = time.perf_counter()
         results = []
         while time.perf_counter() - t0 < a.seconds:  # keep the load on while py-spy samples

@@ -7,7 +7,6 @@ import pytest
 import torch
 from engine_helpers import (
     BLOCK_SIZE,
-    copy_blocks,
     disaggregated,
     prompts_for_block_size,
     run_to_end,

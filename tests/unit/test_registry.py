@@ -48,7 +48,9 @@ def test_caller_side_loads_no_torch_and_no_worker_code() -> None:
     loaded = _modules_after(
         "import moriio_ray.runtime.pipeline, moriio_ray.runtime.coordinator, moriio_ray.serve.app"
     )
-    heavy = {m for m in loaded if m == "torch" or m.startswith(("moriio_ray.worker", "moriio_ray.engine.model"))}
+    heavy = {
+        m for m in loaded if m == "torch" or m.startswith(("moriio_ray.worker", "moriio_ray.engine.model"))
+    }
     assert not heavy, f"the caller side loaded {sorted(heavy)}"
 
 
