@@ -72,8 +72,9 @@ def measure(args: argparse.Namespace, name: str, cfg: Any) -> dict[str, list[flo
             if i < args.warmup:
                 continue
             for key in out:
-                if key in r.timings:
-                    out[key].append(r.timings[key])
+                value = getattr(r.timings, key)
+                if value is not None:
+                    out[key].append(value)
             if (i - args.warmup + 1) % 50 == 0:
                 print(f"  {name}: {i - args.warmup + 1}/{args.requests}", flush=True)
     finally:

@@ -101,7 +101,7 @@ def main() -> None:
     spy = shutil.which("py-spy") or (str(beside) if beside.exists() else None)
     if spy is None:
         print("py-spy not found: measuring without profiles")
-    ray.init(include_dashboard=False, log_to_driver=False, **({} if a.device == "cuda" else {"num_cpus": 4}))
+    ray.init(include_dashboard=False, log_to_driver=False, num_cpus=None if a.device == "cuda" else 4)
     pipe = PDPipeline.launch(config(a))
     try:
         prompts = [
@@ -141,7 +141,9 @@ def main() -> None:
             results += pipe.generate_batch(prompts, params, max_concurrency=a.concurrency)
         wall_s = time.perf_counter() - t0
         tokens = sum(len(r.token_ids) for r in results)
-        tpot = [(r.timings.total_s - r.timings.ttft_s) / (len(r.token_ids) - 1) for r in results]
+        tpot = [
+            ((r.timings.total_s or 0.0) - (r.timings.ttft_s or 0.0)) / (len(r.token_ids) - 1) for r in results
+        ]
         report: dict[str, Any] = {
             "mode": a.mode,
             "device": a.device,
@@ -149,7 +151,7 @@ def main() -> None:
             "concurrency": a.concurrency,
             "output_tok_s": tokens / wall_s,
             "tpot_ms_p50": statistics.median(tpot) * 1e3,
-            "ttft_ms_p50": statistics.median(r.timings.ttft_s for r in results) * 1e3,
+            "ttft_ms_p50": statistics.median(r.timings.ttft_s or 0.0 for r in results) * 1e3,
             "stats": pipe.stats()["workers"],
             "profiles": {},
         }
