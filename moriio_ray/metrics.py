@@ -65,9 +65,9 @@ def _get() -> dict[str, Any] | None:
                     boundaries=_LATENCY_BOUNDS_S,
                     tag_keys=("mode",),
                 ),
-                "itl_seconds": m.Histogram(
-                    "moriio_itl_seconds",
-                    "Inter-token latency",
+                "tpot_seconds": m.Histogram(
+                    "moriio_tpot_seconds",
+                    "Time per output token after the first, one observation per request",
                     boundaries=_LATENCY_BOUNDS_S,
                     tag_keys=("mode",),
                 ),
@@ -109,10 +109,11 @@ def record_ttft(seconds: float, *, mode: str) -> None:
         m["ttft_seconds"].observe(seconds, tags={"mode": mode})
 
 
-def record_itl(seconds: float, *, mode: str) -> None:
+def record_tpot(seconds: float, *, mode: str) -> None:
+    """One request's time per output token after the first (observed once, when it finishes)."""
     m = _get()
     if m is not None:
-        m["itl_seconds"].observe(seconds, tags={"mode": mode})
+        m["tpot_seconds"].observe(seconds, tags={"mode": mode})
 
 
 def set_blocks(free: int, leased: int, *, worker: str, role: str) -> None:

@@ -13,11 +13,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import torch
 
 from moriio_ray.engine.attention import AttnMetadata, decode_mask
-from moriio_ray.engine.inputs import decode_inputs
+from moriio_ray.engine.inputs import DecodeInputs, fill_decode_inputs
 from moriio_ray.engine.model import CausalLM, KVPair
 from moriio_ray.engine.sequence import Sequence
 
@@ -54,16 +53,27 @@ class DecodeGraphs:
         self.max_gather_bytes = max_gather_bytes
         self.device = device
         max_b = self.buckets[-1]
-
-        def buffer(*shape: int, fill: int = 0) -> torch.Tensor:
-            return torch.full(shape, fill, dtype=torch.int64, device=device)
-
-        self.ids, self.positions = buffer(max_b), buffer(max_b)
-        self.slot_blocks, self.slot_offsets = buffer(max_b, fill=scratch_block), buffer(max_b)
-        self.tables = buffer(max_b, self.max_width, fill=scratch_block)
+        # Every static input lives in one device buffer, staged in one pinned host buffer of the
+        # same layout: [ids | positions | slot blocks | slot offsets | tables (max_b x max_width)],
+        # so a step uploads its inputs with a single copy of the buffer's first rows.
+        self._rows = 4 * max_b
+        numel = self._rows + max_b * self.max_width
+        self._static = torch.zeros(numel, dtype=torch.int64, device=device)
+        self._staging = torch.zeros(numel, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self.ids, self.positions, self.slot_blocks, self.slot_offsets, self.tables = self._views(self._static)
+        ids, positions, slot_blocks, slot_offsets, tables = (v.numpy() for v in self._views(self._staging))
+        self._host = DecodeInputs(ids, positions, tables, slot_blocks, slot_offsets)
+        self._host.slot_blocks.fill(scratch_block)
+        self._host.block_tables.fill(scratch_block)
+        self._static.copy_(self._staging)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool: Any = None  # the graphs' shared memory pool, after the first capture
         self.num_replays = 0
+
+    def _views(self, buf: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        max_b = self._rows // 4
+        rows = [buf[i * max_b : (i + 1) * max_b] for i in range(4)]
+        return (*rows, buf[self._rows :].view(max_b, self.max_width))
 
     def _key(self, seqs: list[Sequence]) -> tuple[int, int] | None:
         batch = len(seqs)
@@ -132,18 +142,18 @@ class DecodeGraphs:
 
     def _load(self, seqs: list[Sequence], bucket: int, width: int) -> None:
         """Write the batch into the static buffers; padding rows feed token 0 into the scratch block."""
-        host = decode_inputs(seqs, self.block_size, width, pad_block=self.scratch_block)
-        pad = bucket - len(seqs)
-        rows = {
-            "ids": np.pad(host.ids, (0, pad)),
-            "positions": np.pad(host.positions, (0, pad)),
-            "slot_blocks": np.pad(host.slot_blocks, (0, pad), constant_values=self.scratch_block),
-            "slot_offsets": np.pad(host.slot_offsets, (0, pad)),
-        }
-        for name, values in rows.items():
-            getattr(self, name)[:bucket].copy_(torch.from_numpy(values), non_blocking=True)
-        tables = np.pad(host.block_tables, ((0, pad), (0, 0)), constant_values=self.scratch_block)
-        self.tables[:bucket, :width].copy_(torch.from_numpy(tables), non_blocking=True)
+        h, n = self._host, len(seqs)
+        tables = h.block_tables[:bucket, :width]
+        view = DecodeInputs(h.ids, h.positions, tables, h.slot_blocks, h.slot_offsets)
+        # the staging buffer is free: the previous step's upload ended before its logits were read
+        fill_decode_inputs(seqs, self.block_size, view, pad_block=self.scratch_block)
+        h.ids[n:bucket] = 0
+        h.positions[n:bucket] = 0
+        h.slot_blocks[n:bucket] = self.scratch_block
+        h.slot_offsets[n:bucket] = 0
+        tables[n:bucket] = self.scratch_block
+        used = self._rows + bucket * self.max_width
+        self._static[:used].copy_(self._staging[:used], non_blocking=True)
 
     def run(self, seqs: list[Sequence]) -> torch.Tensor | None:
         """Logits [len(seqs), vocab] from a graph replay, or None when this batch must run eagerly."""

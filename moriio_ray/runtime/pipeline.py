@@ -175,7 +175,6 @@ class PDPipeline:
         state = FlowState()
         text = IncrementalText(self.tokenizer, req.params.stop)
         t0 = time.perf_counter()
-        last_s = t0
         mode = self.config.mode
         n_out = 0
         # aclosing: closing this stream closes the flow at once (the workers abort the request).
@@ -185,15 +184,14 @@ class PDPipeline:
                 if n_out == 0:
                     state.timings.ttft_s = now - t0
                     metrics.record_ttft(now - t0, mode=mode)
-                elif chunk.token_ids:
-                    metrics.record_itl((now - last_s) / len(chunk.token_ids), mode=mode)
-                last_s = now
                 n_out += len(chunk.token_ids)
                 delta = text.add(chunk.token_ids, final=chunk.finished)
                 reason = "stop" if text.stopped and not chunk.finished else chunk.finish_reason
                 finished = reason is not None
                 if finished:
                     state.timings.total_s = now - t0
+                    if n_out > 1 and state.timings.ttft_s is not None:
+                        metrics.record_tpot((now - t0 - state.timings.ttft_s) / (n_out - 1), mode=mode)
                     if state.timings.handoff_s is not None:
                         metrics.record_handoff(
                             state.timings.handoff_s, backend=self.config.transfer.backend, mode=mode

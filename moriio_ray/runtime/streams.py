@@ -25,6 +25,7 @@ from moriio_ray.runtime.messages import Member, OutputBatch, RequestOutput
 log = logging.getLogger(__name__)
 
 _decoder = msgspec.msgpack.Decoder(OutputBatch)
+WATCH_PERIOD_S = 0.25  # how often waits are checked against their deadline (its resolution)
 
 
 class Subscription:
@@ -36,6 +37,11 @@ class Subscription:
         self._items: list[RequestOutput] = []
         self._error: BaseException | None = None
         self._waiter: asyncio.Future[None] | None = None
+        self.deadline_s = 0.0  # loop time by which a pending wait ends
+
+    def expire_if_late(self, now_s: float) -> None:
+        if self._waiter is not None and now_s >= self.deadline_s:
+            self._wake()
 
     def put(self, item: RequestOutput) -> None:
         self._items.append(item)
@@ -54,11 +60,12 @@ class Subscription:
         if not self._items and self._error is None:
             loop = asyncio.get_running_loop()
             self._waiter = waiter = loop.create_future()
-            timer = loop.call_later(timeout_s, _expire, waiter)
+            # the streams' watchdog ends a wait past its deadline (no timer per wait: this is per chunk)
+            self.deadline_s = loop.time() + timeout_s
+            self._pump.streams.watch()
             try:
                 await waiter
             finally:
-                timer.cancel()
                 self._waiter = None
         if self._items:
             items, self._items = self._items, []
@@ -71,11 +78,6 @@ class Subscription:
 
     def close(self) -> None:
         self._pump.subs.pop(self.request_id, None)
-
-
-def _expire(waiter: asyncio.Future[None]) -> None:
-    if not waiter.done():
-        waiter.set_result(None)
 
 
 class _Pump:
@@ -123,6 +125,21 @@ class OutputStreams:
     def __init__(self) -> None:
         self.caller_id = uuid.uuid4().hex
         self.pumps: dict[tuple[str, int], _Pump] = {}
+        self._watchdog: asyncio.Task[None] | None = None
+
+    def watch(self) -> None:
+        """Make sure the watchdog runs: it ends subscription waits that passed their deadline."""
+        if self._watchdog is None or self._watchdog.done():
+            self._watchdog = asyncio.get_running_loop().create_task(self._watch())
+
+    async def _watch(self) -> None:
+        loop = asyncio.get_running_loop()
+        while self.pumps:
+            await asyncio.sleep(WATCH_PERIOD_S)
+            now = loop.time()
+            for pump in list(self.pumps.values()):
+                for sub in list(pump.subs.values()):
+                    sub.expire_if_late(now)
 
     def open(self, member: Member, request_id: str) -> Subscription:
         """Subscribe to a request's outputs on ``member`` (before asking it to produce any)."""
@@ -135,6 +152,8 @@ class OutputStreams:
         return sub
 
     def close(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
         for pump in list(self.pumps.values()):
             if pump.task is not None:
                 pump.task.cancel()
