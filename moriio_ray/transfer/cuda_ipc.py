@@ -73,13 +73,15 @@ def _raw_stream_getter() -> Any:
 class _Lane:
     """One local GPU: its copy stream, kernel launcher and copy-engine submitter, under one lock."""
 
-    def __init__(self, device: torch.device, config: Any, variant: KernelVariant | None) -> None:
+    def __init__(
+        self, device: torch.device, config: Any, variant: KernelVariant | None, engine_opts: dict[str, bool]
+    ) -> None:
         assert device.index is not None
         self.index = device.index
         self.stream = torch.cuda.Stream(device=device)
         self.handle = int(self.stream.cuda_stream)
         self.copier = SegmentCopier(device, self.stream, variant, max_ctas=config.max_ctas)
-        self.engine = CopyEngine(device.index)
+        self.engine = CopyEngine(device.index, **engine_opts)
         self.ctx = self.copier.ctx
         self.order = cuda_driver.RawEvent()  # re-recorded on the caller's stream before each copy
         self.lock = threading.Lock()
@@ -109,7 +111,8 @@ class CudaIpcAgent(TransferAgent):
         self._current_stream = _raw_stream_getter()
         # Benchmarks: give each Transfer a start event after its waits, so device time excludes them.
         self.time_transfers = False
-        self.kernel_variant: KernelVariant | None = None  # benchmarks: set before the first transfer
+        self.kernel_variant: KernelVariant | None = None  # None: cuda_kernels.DEFAULT_VARIANT
+        self._engine_options: dict[str, bool] = {}  # CopyEngine options (``tune``)
 
     # -- memory ---------------------------------------------------------------------------------
 
@@ -141,7 +144,7 @@ class CudaIpcAgent(TransferAgent):
                 lane = self._lanes.get(device.index)
                 if lane is None:
                     with torch.cuda.device(device.index):
-                        lane = _Lane(device, self.config.cuda_ipc, self.kernel_variant)
+                        lane = _Lane(device, self.config.cuda_ipc, self.kernel_variant, self._engine_options)
                     self._lanes[device.index] = lane
         return lane
 
@@ -340,6 +343,41 @@ class CudaIpcAgent(TransferAgent):
             lane.engine.copy(src, dst, src_off, dst_off, sizes, lane.handle)
         elif method == cuda_methods.MEMCPY:
             lane.engine.copy_each(src, dst, src_off, dst_off, sizes, lane.handle)
+
+    def tune(
+        self,
+        *,
+        method: str | None = None,
+        variant: KernelVariant | None = None,
+        max_ctas: int | None = None,
+        prefer_overlap: bool | None = None,
+        batch: bool | None = None,
+    ) -> None:
+        """Benchmarks and tests: change how later transfers move, on every GPU of this agent.
+
+        ``method`` and ``max_ctas`` as in ``transfer.cuda_ipc``; ``variant``: the kernel's launch
+        shape; ``prefer_overlap``/``batch``: the copy-engine submitter's hint and batch switch.
+        """
+        with self._lock:
+            changes: dict[str, Any] = {}
+            if method is not None:
+                changes["method"] = method
+            if max_ctas is not None:
+                changes["max_ctas"] = max_ctas
+            if changes:
+                cuda_cfg = msgspec.structs.replace(self.config.cuda_ipc, **changes)
+                self.config = msgspec.structs.replace(self.config, cuda_ipc=cuda_cfg)
+            if variant is not None:
+                self.kernel_variant = variant
+            if prefer_overlap is not None:
+                self._engine_options["prefer_overlap"] = prefer_overlap
+            if batch is not None:
+                self._engine_options["batch"] = batch
+            for index, lane in self._lanes.items():
+                with lane.lock, torch.cuda.device(index):
+                    device, cap = torch.device("cuda", index), self.config.cuda_ipc.max_ctas
+                    lane.copier = SegmentCopier(device, lane.stream, self.kernel_variant, max_ctas=cap)
+                    lane.engine = CopyEngine(index, **self._engine_options)
 
     def copy_engine_mode(self, device: torch.device | int) -> tuple[str, str]:
         """(how the copy engines get their segments on a local GPU, why not as a batch if not)."""

@@ -112,7 +112,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) segment_copy(
   const i64* src_off = meta;
   const i64* dst_off = meta + n;
   const i64* start = meta + 2 * (i64)n;
+#if DYNAMIC
   __shared__ i64 s_item;
+#endif
   __shared__ int s_seg;
   i64 c = blockIdx.x;
   for (;;) {
