@@ -52,13 +52,13 @@ def engine_main(conn: Connection, device: int) -> None:
         conn.send(("error", repr(exc)))
         return
     while True:
-        cmd, n = conn.recv()
+        cmd, args = conn.recv()  # ("steps", (n,)) or ("exit", ())
         if cmd == "exit":
             conn.send(("ok", None))
             return
         try:
             times = []
-            for _ in range(n):
+            for _ in range(int(args[0])):
                 t0 = time.perf_counter()
                 outs = engine.step()
                 torch.cuda.synchronize()

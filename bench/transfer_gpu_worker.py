@@ -147,7 +147,7 @@ class Worker:
         first = issue()
         first.wait(timeout_s=300)
         out: dict[str, Any] = {"method": getattr(first, "method", backend)}
-        agent = getattr(b, "agent", None)
+        agent = b.agent if backend == "cuda_ipc" else None
         device_s: list[float] = []
         if agent is not None:  # device time: CUDA events after the copy's waits, host enqueue hidden
             agent.time_transfers = True
