@@ -165,12 +165,13 @@ def table_variants(best: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 def run_table(
-    P: Proc, D: Proc, best: dict[str, Any], iters: int, result: dict[str, Any]
+    P: Proc, D: Proc, best: dict[str, Any], iters: int, result: dict[str, Any], methods: set[str]
 ) -> list[dict[str, Any]]:
     rows = []
+    variants = {k: v for k, v in table_variants(best).items() if not methods or k in methods}
     for name, c in cases().items():
         for op in ("read", "write"):
-            for label, variant in table_variants(best).items():
+            for label, variant in variants.items():
                 case = f"{name}/contiguous" if variant.get("ceiling") else name
                 row = attempt(
                     result,
@@ -256,6 +257,9 @@ def main() -> None:
     ap.add_argument(
         "--variant", default="", help="JSON kernel variant to use instead of a sweep, e.g. '{\"unroll\": 8}'"
     )
+    ap.add_argument(
+        "--methods", default="", help="table rows to run (default all): " + ",".join(table_variants({"x": 1}))
+    )
     ap.add_argument("--quick", action="store_true", help="fewer iterations")
     ap.add_argument("--commit", default="", help="the commit measured (default: git rev-parse)")
     args = ap.parse_args()
@@ -300,7 +304,8 @@ def main() -> None:
                 best = sweep["best"]
         result["kernel_variant"] = best
         if "table" in phases:
-            result["table"] = attempt(result, "table", lambda: run_table(P, D, best, iters, result))
+            methods = set(filter(None, args.methods.split(",")))
+            result["table"] = attempt(result, "table", lambda: run_table(P, D, best, iters, result, methods))
         if "breakdown" in phases:
             variant = {"method": "kernel", "kernel": best}
             result["breakdown"] = attempt(
