@@ -49,12 +49,14 @@ SWEEP: list[dict[str, Any]] = [
     {"dynamic": False},
     {"dynamic": False, "chunk_bytes": 0},
     {"streaming": True},
-    {"meta_in_host": True},
     {"unroll": 8, "chunk_bytes": 256 << 10},
     {"ctas_per_sm": 1},
     {"ctas_per_sm": 2},
+    {"meta_in_host": True},  # last: a fault here (pinned memory not device-mapped) would end D's context
 ]
 SWEEP_CASES = ("layer_major/128", "layer_major/1024", "layer_major/16384", "contiguous/2GiB")
+CALL_TIMEOUT_S = 120.0  # one worker command; a stuck copy must not eat the whole run
+_deadline = [float("inf")]  # monotonic time after which no new variant starts (--deadline-s)
 
 
 class Proc:
@@ -64,6 +66,7 @@ class Proc:
         self, ctx: Any, target: Any, args: tuple[Any, ...], log: Path | None, start_s: float
     ) -> None:
         self.conn, child = ctx.Pipe()
+        self.broken = ""
         from bench.transfer_gpu_worker import run_logged
 
         self.proc = ctx.Process(target=run_logged, args=(target, log, child, *args), daemon=True)
@@ -73,25 +76,29 @@ class Proc:
     def send(self, cmd: str, *args: Any) -> None:
         self.conn.send((cmd, args))
 
-    def answer(self, timeout_s: float = 600.0) -> Any:
+    def answer(self, timeout_s: float = CALL_TIMEOUT_S) -> Any:
+        if self.broken:
+            raise RuntimeError(f"worker gave up earlier: {self.broken}")
         deadline = time.monotonic() + timeout_s
         while not self.conn.poll(0.5):
             if not self.proc.is_alive():
-                raise RuntimeError(f"worker exited with code {self.proc.exitcode}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"no answer within {timeout_s} s")
+                self.broken = f"exited with code {self.proc.exitcode}"
+                raise RuntimeError(f"worker {self.broken}")
+            if time.monotonic() > deadline:  # its late answer would pair with the next command
+                self.broken = f"no answer within {timeout_s} s"
+                raise TimeoutError(self.broken)
         status, value = self.conn.recv()
         if status != "ok":
             raise RuntimeError(value)
         return value
 
-    def call(self, cmd: str, *args: Any, timeout_s: float = 600.0) -> Any:
+    def call(self, cmd: str, *args: Any, timeout_s: float = CALL_TIMEOUT_S) -> Any:
         self.send(cmd, *args)
         return self.answer(timeout_s)
 
     def close(self) -> None:
         try:
-            if self.proc.is_alive():
+            if self.proc.is_alive() and not self.broken:
                 self.call("exit", timeout_s=30)
         except Exception:
             pass
@@ -102,6 +109,9 @@ class Proc:
 
 def attempt(result: dict[str, Any], key: str, fn: Any) -> Any:
     """Run one phase or variant; a failure is recorded under ``result["errors"][key]``."""
+    if time.monotonic() > _deadline[0]:
+        result["errors"][key] = "skipped: past --deadline-s"
+        return None
     try:
         return fn()
     except Exception as exc:
@@ -146,7 +156,7 @@ def run_sweep(P: Proc, D: Proc, iters: int, result: dict[str, Any]) -> dict[str,
     complete = {k: sum(v) / len(v) for k, v in scores.items() if len(v) == len(SWEEP_CASES)}
     best = json.loads(max(complete, key=complete.__getitem__)) if complete else {}
     score = complete.get(json.dumps(best, sort_keys=True))
-    print(f"kernel variant chosen by the sweep: {best or 'the default'} (score {score})", flush=True)
+    print(f"kernel variant chosen by the sweep (--variant '{json.dumps(best)}'), score {score}", flush=True)
     return {"rows": rows, "scores": complete, "best": best}
 
 
@@ -261,8 +271,10 @@ def main() -> None:
         "--methods", default="", help="table rows to run (default all): " + ",".join(table_variants({"x": 1}))
     )
     ap.add_argument("--quick", action="store_true", help="fewer iterations")
+    ap.add_argument("--deadline-s", type=float, default=480.0, help="start no new variant after this")
     ap.add_argument("--commit", default="", help="the commit measured (default: git rev-parse)")
     args = ap.parse_args()
+    _deadline[0] = time.monotonic() + args.deadline_s
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     phases = set(filter(None, args.phases.split(",")))

@@ -21,6 +21,7 @@ import torch
 from bench.transfer_gpu_cases import D_SEED, P_SEED, POISON_SEED, Case, case, fill_random, layout, verify
 
 HOLD_CYCLES = 1_000_000  # ~0.5 ms of GPU sleep: the host enqueues the copy meanwhile (device timing)
+WAIT_S = 60.0  # one transfer's deadline
 MEASURE_BUDGET_S = 1.5  # per (variant, case): stop early once this much wall time went into timing
 
 
@@ -33,7 +34,7 @@ class CudaIpcBackend:
         from moriio_ray.transfer import TransferConfig, create_agent, encode_desc
 
         self.device = device
-        self.agent: Any = create_agent(TransferConfig(backend="cuda_ipc", timeout_s=300.0), f"bench-{role}")
+        self.agent: Any = create_agent(TransferConfig(backend="cuda_ipc", timeout_s=WAIT_S), f"bench-{role}")
         self.mem = self.agent.register(cache)
         self.desc = (encode_desc(self.agent.engine_desc()), encode_desc(self.mem))
         self.peer_mem: Any = None
@@ -145,7 +146,7 @@ class Worker:
         c = case(name)
         issue = b.prepare(op, c, variant)
         first = issue()
-        first.wait(timeout_s=300)
+        first.wait(timeout_s=WAIT_S)
         out: dict[str, Any] = {"method": getattr(first, "method", backend)}
         agent = b.agent if backend == "cuda_ipc" else None
         device_s: list[float] = []
@@ -158,7 +159,7 @@ class Worker:
                 ):
                     torch.cuda._sleep(HOLD_CYCLES)  # on the current stream, which the copy waits for
                     x = issue()
-                    x.wait(timeout_s=300)
+                    x.wait(timeout_s=WAIT_S)
                     device_s.append(x.device_seconds())
             finally:
                 agent.time_transfers = False
@@ -166,7 +167,7 @@ class Worker:
         start = time.perf_counter()
         while len(host_s) < iters and (len(host_s) < 2 or time.perf_counter() - start < MEASURE_BUDGET_S):
             t0 = time.perf_counter()
-            issue().wait(timeout_s=300)
+            issue().wait(timeout_s=WAIT_S)
             host_s.append(time.perf_counter() - t0)
         out.update(host_us=_median_us(host_s), device_us=_median_us(device_s), n=len(host_s))
         out["host_us_min"] = round(min(host_s) * 1e6, 2)
@@ -177,12 +178,12 @@ class Worker:
     ) -> Any:
         """Transfers back to back until ``stop`` is set; answers "started" after the first one."""
         issue = self.backends[backend].prepare(op, case(name), variant)
-        issue().wait(timeout_s=300)
+        issue().wait(timeout_s=WAIT_S)
         conn.send(("ok", "started"))
         times = []
         while not stop.is_set():
             t0 = time.perf_counter()
-            issue().wait(timeout_s=300)
+            issue().wait(timeout_s=WAIT_S)
             times.append(time.perf_counter() - t0)
         return {"transfers": len(times), "transfer_us": _median_us(times)}
 

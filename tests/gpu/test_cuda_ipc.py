@@ -102,8 +102,8 @@ VARIANTS = [
     KernelVariant(dynamic=False, chunk_bytes=0),
     KernelVariant(unroll=8, threads=256),
     KernelVariant(threads=1024, chunk_bytes=256 << 10),
-    KernelVariant(streaming=True, meta_in_host=True),
     KernelVariant(chunk_bytes=4096, ctas_per_sm=1),
+    KernelVariant(streaming=True, meta_in_host=True),
 ]
 
 
