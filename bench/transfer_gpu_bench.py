@@ -17,7 +17,7 @@ Phases (``--phases``, each failure is recorded and the rest go on):
 
 *device* is GPU time from CUDA events after the copy's waits (host enqueue hidden behind a sleep
 kernel); *host* is wall time from ``read``/``write`` to ``wait`` returning: the peers are timed that
-way too. Writes ``transfer_gpu.json`` and ``transfer_gpu.png`` under ``--out``, and prints a table.
+way too. Writes ``<name>.json`` and ``<name>.png`` (``--name``) under ``--out``, and prints a table.
 
     python bench/transfer_gpu_bench.py --out bench/results [--gpus 2] [--peers nixl] [--quick]
 """
@@ -273,6 +273,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer iterations")
     ap.add_argument("--deadline-s", type=float, default=480.0, help="start no new variant after this")
     ap.add_argument("--commit", default="", help="the commit measured (default: git rev-parse)")
+    ap.add_argument("--name", default="transfer_gpu", help="stem of the JSON and PNG written under --out")
     args = ap.parse_args()
     _deadline[0] = time.monotonic() + args.deadline_s
     out = Path(args.out)
@@ -341,7 +342,7 @@ def main() -> None:
             from bench.transfer_gpu_peers import transports
 
             result.setdefault("transport_log_lines", {})[role] = transports(out / f"worker-{role}.log")
-        write_outputs(result, out)
+        write_outputs(result, out, args.name)
 
 
 def run_load_phase(
@@ -370,12 +371,12 @@ def _git_commit() -> str:
         return "unknown"
 
 
-def write_outputs(result: dict[str, Any], out: Path) -> None:
+def write_outputs(result: dict[str, Any], out: Path, name: str) -> None:
     from bench.transfer_gpu_report import plot, print_table, summarize
 
     attempt(result, "summary", lambda: summarize(result))
-    (out / "transfer_gpu.json").write_text(json.dumps(result, indent=1, default=str))
-    attempt(result, "plot", lambda: plot(result, out / "transfer_gpu.png"))
+    (out / f"{name}.json").write_text(json.dumps(result, indent=1, default=str))
+    attempt(result, "plot", lambda: plot(result, out / f"{name}.png"))
     print_table(result)
     if result["errors"]:
         print("errors:", json.dumps(result["errors"], indent=1)[:6000])
