@@ -94,15 +94,28 @@ class MoriConfig(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
         _at_least(self, "xgmi_num_events", 1)
 
 
-class CudaIpcConfig(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
-    """The cuda_ipc backend (NVIDIA GPUs of one host)."""
+CUDA_IPC_METHODS = ("auto", "kernel", "copy_engine", "memcpy")
 
-    # Below this many bytes per transfer a batch of copy-engine memcpys beats the kernel launch.
+
+class CudaIpcConfig(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
+    """The cuda_ipc backend (NVIDIA GPUs of one host).
+
+    ``method`` picks how a transfer's segments move (``transfer/cuda_methods.py``):
+    ``kernel`` (one SM gather/scatter launch), ``copy_engine`` (one ``cuMemcpyBatchAsync`` on the
+    copy engines), ``memcpy`` (one ``cuMemcpyAsync`` per segment), or ``auto`` (by size, below).
+    """
+
+    method: str = "auto"  # auto | kernel | copy_engine | memcpy
+    # auto: below this many bytes per transfer one memcpy per segment beats the kernel launch
     small_transfer_bytes: int = 64 << 10  # measured on H200: copies win below ~2 segments of 32 KiB
-    max_ctas: int = 0  # 0: choose from the SM count
+    # auto: segments of at least this many bytes on average go to the copy engines
+    copy_engine_segment_bytes: int = 1 << 20
+    max_ctas: int = 0  # copy-kernel CTAs; 0: as many as fit on the GPU at once
 
     def __post_init__(self) -> None:
+        _choice(self, "method", CUDA_IPC_METHODS)
         _at_least(self, "small_transfer_bytes", 0)
+        _at_least(self, "copy_engine_segment_bytes", 1)
         _at_least(self, "max_ctas", 0)
 
 

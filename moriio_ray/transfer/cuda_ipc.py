@@ -1,13 +1,17 @@
-"""cuda_ipc: KV transfers between NVIDIA GPUs of one host through CUDA IPC and one copy kernel.
+"""cuda_ipc: KV transfers between NVIDIA GPUs of one host through CUDA IPC.
 
 - **Memory.** ``allocate`` gives each region its own cudaMalloc allocation; ``register`` exports
   any contiguous GPU tensor as the IPC handle of its allocation plus an offset. A peer in another
   process opens the handle (lazily enabling peer access); a peer in the same process uses the
   pointer directly, after enabling peer access between the two GPUs.
-- **Transfers.** ``read`` pulls on the reader's GPU, ``write`` pushes from the writer's GPU: both
-  run one ``segment_copy`` kernel (``cuda_kernels.py``) over all N segments, on a copy stream
-  dedicated to this agent and device, after one pinned host-to-device copy of the offsets. Below
-  ``transfer.cuda_ipc.small_transfer_bytes`` it issues one cudaMemcpyAsync per segment instead.
+- **Transfers.** ``read`` pulls on the reader's GPU, ``write`` pushes from the writer's GPU, on a
+  copy stream dedicated to this agent and device. ``transfer.cuda_ipc.method`` picks how
+  (``cuda_methods.py``): one SM kernel launch over all N segments (``cuda_kernels.py``), one
+  batched submission to the copy engines (``cuda_copy_engine.py``), or one memcpy per segment;
+  ``auto`` picks by size.
+- **Host path.** Stream ordering, the launch and the completion event are driver calls through
+  ctypes (``cuda_driver.py``), a few microseconds in all; the offsets go through a ring of pinned
+  buffers.
 - **Completion.** A CUDA event recorded after the copy (``cuda_transfer.CudaTransfer``).
 - **Ordering with compute.** By default a copy starts after the work already queued on the
   caller's current stream of the local GPU. ``read``/``write`` take ``after=`` (a ``torch.cuda.Event``
@@ -15,11 +19,12 @@
   ``agent.write(..., after=layer_done[i])``. The base signature without ``after`` works unchanged.
 - **Ray.** Workers must see the host's GPUs: see ``cuda_devices.ray_actor_env``/``select_device``.
 
-CuPy and the CUDA driver are imported only here, so only when cuda_ipc is chosen.
+CuPy and the CUDA driver are loaded only here, so only when cuda_ipc is chosen.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
 import os
 import threading
@@ -31,11 +36,12 @@ import numpy as np
 import torch
 
 from moriio_ray.errors import BackendUnavailable, ConfigError, PeerLost, StaleDescriptor
-from moriio_ray.transfer import cuda_memory
+from moriio_ray.transfer import cuda_driver, cuda_memory, cuda_methods
 from moriio_ray.transfer.base import EngineDesc, MemoryDesc, Transfer, TransferAgent, check_bounds
+from moriio_ray.transfer.cuda_copy_engine import CopyEngine
 from moriio_ray.transfer.cuda_devices import device_uuids, enable_peer_access, index_of_uuid
-from moriio_ray.transfer.cuda_kernels import SegmentCopier, cupy_module
-from moriio_ray.transfer.cuda_transfer import CudaTransfer, pid_alive
+from moriio_ray.transfer.cuda_kernels import KernelVariant, SegmentCopier, cupy_module
+from moriio_ray.transfer.cuda_transfer import CudaTransfer, Event, pid_alive
 
 _PROCESS_ID = uuid.uuid4().hex  # tells a same-process peer from a process that reuses a pid
 
@@ -56,12 +62,28 @@ def _pid_namespace() -> int:
         return 0
 
 
-class _Lane:
-    """One local GPU: its copy stream and kernel launcher."""
+def _raw_stream_getter() -> Any:
+    """index -> the raw handle of torch's current stream there, without building a Stream object."""
+    fast = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if fast is not None:
+        return fast
+    return lambda index: torch.cuda.current_stream(index).cuda_stream
 
-    def __init__(self, device: torch.device, config: Any) -> None:
+
+class _Lane:
+    """One local GPU: its copy stream, kernel launcher and copy-engine submitter, under one lock."""
+
+    def __init__(
+        self, device: torch.device, config: Any, variant: KernelVariant | None, engine_opts: dict[str, bool]
+    ) -> None:
+        assert device.index is not None
+        self.index = device.index
         self.stream = torch.cuda.Stream(device=device)
-        self.copier = SegmentCopier(device, self.stream, max_ctas=config.max_ctas)
+        self.handle = int(self.stream.cuda_stream)
+        self.copier = SegmentCopier(device, self.stream, variant, max_ctas=config.max_ctas)
+        self.engine = CopyEngine(device.index, **engine_opts)
+        self.ctx = self.copier.ctx
+        self.order = cuda_driver.RawEvent()  # re-recorded on the caller's stream before each copy
         self.lock = threading.Lock()
 
 
@@ -84,10 +106,13 @@ class CudaIpcAgent(TransferAgent):
         self._imports: dict[str, dict[tuple[bytes, int], tuple[int, int]]] = {}
         # (peer, epoch, mem_id, device) -> (address, registered bytes really mapped there)
         self._ptrs: dict[tuple[str, int, int, int], tuple[int, int]] = {}
-        self._inflight: dict[str, list[CudaTransfer]] = {}
+        self._inflight: dict[str, collections.deque[CudaTransfer]] = {}
         self._tls = threading.local()
+        self._current_stream = _raw_stream_getter()
         # Benchmarks: give each Transfer a start event after its waits, so device time excludes them.
         self.time_transfers = False
+        self.kernel_variant: KernelVariant | None = None  # None: cuda_kernels.DEFAULT_VARIANT
+        self._engine_options: dict[str, bool] = {}  # CopyEngine options (``tune``)
 
     # -- memory ---------------------------------------------------------------------------------
 
@@ -118,7 +143,9 @@ class CudaIpcAgent(TransferAgent):
             with self._lock:
                 lane = self._lanes.get(device.index)
                 if lane is None:
-                    lane = self._lanes[device.index] = _Lane(device, self.config.cuda_ipc)
+                    with torch.cuda.device(device.index):
+                        lane = _Lane(device, self.config.cuda_ipc, self.kernel_variant, self._engine_options)
+                    self._lanes[device.index] = lane
         return lane
 
     # -- peers ----------------------------------------------------------------------------------
@@ -133,10 +160,10 @@ class CudaIpcAgent(TransferAgent):
             raise ConfigError(f"peer {desc.key!r}: its descriptor carries no cuda_ipc engine data") from exc
         self._peer_info[desc.key] = info
         self._imports.setdefault(desc.key, {})
-        self._inflight.setdefault(desc.key, [])
+        self._inflight.setdefault(desc.key, collections.deque())
 
     def _disconnect(self, desc: EngineDesc, reason: PeerLost) -> None:
-        transfers = self._inflight.pop(desc.key, [])
+        transfers = list(self._inflight.pop(desc.key, ()))
         for t in transfers:
             t.fail(reason)
         # A running kernel may still touch the mappings: let it finish before unmapping.
@@ -254,34 +281,108 @@ class CudaIpcAgent(TransferAgent):
             src, dst, src_off, dst_off = remote_ptr, local.data_ptr(), remote_offsets, local_offsets
         else:
             src, dst, src_off, dst_off = local.data_ptr(), remote_ptr, local_offsets, remote_offsets
+        cfg = self.config.cuda_ipc
+        seg = cuda_methods.describe(sizes)
+        method = cuda_methods.choose(
+            cfg.method,
+            seg,
+            small_transfer_bytes=cfg.small_transfer_bytes,
+            copy_engine_segment_bytes=cfg.copy_engine_segment_bytes,
+        )
         lane = self._lane(device)
         after: torch.cuda.Event | torch.cuda.Stream | None = getattr(self._tls, "after", None)
-        total = int(sizes.sum())
-        with lane.lock, torch.cuda.device(device.index):
-            if isinstance(after, torch.cuda.Event):
+        with lane.lock, cuda_driver.ContextGuard(lane.ctx):
+            stream = lane.handle
+            if after is None:  # after the work queued so far on the caller's current stream
+                lane.order.record(self._current_stream(lane.index))
+                cuda_driver.stream_wait(stream, lane.order)
+            elif isinstance(after, torch.cuda.Event):
                 lane.stream.wait_event(after)
             else:
-                lane.stream.wait_stream(after if after is not None else torch.cuda.current_stream(device))
-            with torch.cuda.stream(lane.stream):
-                start = None
-                if self.time_transfers:
-                    start = torch.cuda.Event(enable_timing=True)
-                    start.record(lane.stream)
-                if total == 0:
-                    pass
-                elif total < self.config.cuda_ipc.small_transfer_bytes:
-                    lane.copier.copy_each(src, dst, src_off, dst_off, sizes)
-                else:
-                    lane.copier.copy(src, dst, src_off, dst_off, sizes)
-                event = torch.cuda.Event(enable_timing=self.time_transfers)
-                event.record(lane.stream)
-        transfer = CudaTransfer(total, int(sizes.size), peer.key, event, lambda: self._peer_alive(peer.key))
+                lane.stream.wait_stream(after)
+            start = None
+            if self.time_transfers:
+                start = torch.cuda.Event(enable_timing=True)
+                start.record(lane.stream)
+            self._enqueue(lane, method, src, dst, src_off, dst_off, sizes, seg)
+            event: Event
+            if self.time_transfers:
+                timed = torch.cuda.Event(enable_timing=True)
+                timed.record(lane.stream)
+                event = timed
+            else:
+                raw = cuda_driver.RawEvent()
+                raw.record(stream)
+                event = raw
+        transfer = CudaTransfer(
+            seg.total_bytes, seg.num_segments, peer.key, event, lambda: self._peer_alive(peer.key), method
+        )
         transfer.start_event = start
         with self._lock:
-            inflight = self._inflight.setdefault(peer.key, [])
-            inflight[:] = [t for t in inflight if not t.event.query()]
+            inflight = self._inflight.setdefault(peer.key, collections.deque())
+            while inflight and inflight[0].done():  # one stream per GPU: they mostly end in order
+                inflight.popleft()
             inflight.append(transfer)
         return transfer
+
+    @staticmethod
+    def _enqueue(
+        lane: _Lane,
+        method: str,
+        src: int,
+        dst: int,
+        src_off: np.ndarray,
+        dst_off: np.ndarray,
+        sizes: np.ndarray,
+        seg: cuda_methods.Segments,
+    ) -> None:
+        """Put the copy on the lane's stream by ``method`` (the lane's lock and context are held)."""
+        if method == cuda_methods.KERNEL:
+            lane.copier.copy(src, dst, src_off, dst_off, sizes, seg)
+        elif method == cuda_methods.COPY_ENGINE:
+            lane.engine.copy(src, dst, src_off, dst_off, sizes, lane.handle)
+        elif method == cuda_methods.MEMCPY:
+            lane.engine.copy_each(src, dst, src_off, dst_off, sizes, lane.handle)
+
+    def tune(
+        self,
+        *,
+        method: str | None = None,
+        variant: KernelVariant | None = None,
+        max_ctas: int | None = None,
+        prefer_overlap: bool | None = None,
+        batch: bool | None = None,
+    ) -> None:
+        """Benchmarks and tests: change how later transfers move, on every GPU of this agent.
+
+        ``method`` and ``max_ctas`` as in ``transfer.cuda_ipc``; ``variant``: the kernel's launch
+        shape; ``prefer_overlap``/``batch``: the copy-engine submitter's hint and batch switch.
+        """
+        with self._lock:
+            changes: dict[str, Any] = {}
+            if method is not None:
+                changes["method"] = method
+            if max_ctas is not None:
+                changes["max_ctas"] = max_ctas
+            if changes:
+                cuda_cfg = msgspec.structs.replace(self.config.cuda_ipc, **changes)
+                self.config = msgspec.structs.replace(self.config, cuda_ipc=cuda_cfg)
+            if variant is not None:
+                self.kernel_variant = variant
+            if prefer_overlap is not None:
+                self._engine_options["prefer_overlap"] = prefer_overlap
+            if batch is not None:
+                self._engine_options["batch"] = batch
+            for index, lane in self._lanes.items():
+                with lane.lock, torch.cuda.device(index):
+                    device, cap = torch.device("cuda", index), self.config.cuda_ipc.max_ctas
+                    lane.copier = SegmentCopier(device, lane.stream, self.kernel_variant, max_ctas=cap)
+                    lane.engine = CopyEngine(index, **self._engine_options)
+
+    def copy_engine_mode(self, device: torch.device | int) -> tuple[str, str]:
+        """(how the copy engines get their segments on a local GPU, why not as a batch if not)."""
+        engine = self._lane(torch.device("cuda", device) if isinstance(device, int) else device).engine
+        return engine.mode, engine.reason
 
     def _close(self) -> None:
         for lane in self._lanes.values():

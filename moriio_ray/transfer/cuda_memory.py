@@ -9,14 +9,11 @@ process) cannot, and uses the exporter's pointer directly.
 
 from __future__ import annotations
 
-import ctypes
-import functools
-from typing import Any
-
 import msgspec
 import torch
 
-from moriio_ray.errors import ConfigError, IncompatiblePeer
+from moriio_ray.errors import ConfigError, IncompatiblePeer, TransferError
+from moriio_ray.transfer import cuda_driver
 from moriio_ray.transfer.cuda_kernels import cupy_module
 
 
@@ -30,11 +27,6 @@ class CudaRegion(msgspec.Struct, frozen=True):
     num_bytes: int = 0  # the registered size (a descriptor's num_bytes could be forged or stale)
 
 
-@functools.lru_cache(maxsize=1)
-def _libcuda() -> Any:
-    return ctypes.CDLL("libcuda.so.1")
-
-
 def allocation_range(ptr: int, device_index: int) -> tuple[int, int]:
     """(base address, size in bytes) of the device allocation containing ``ptr``, seen from a GPU."""
     cp = cupy_module()
@@ -44,21 +36,11 @@ def allocation_range(ptr: int, device_index: int) -> tuple[int, int]:
     # driver call below needs (a fresh thread has none, even where getDevice() already says so).
     rt.setDevice(device_index)
     try:
-        base = ctypes.c_uint64(0)
-        size = ctypes.c_size_t(0)
-        rc = _get_address_range()(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr))
+        return cuda_driver.address_range(ptr)
+    except TransferError as exc:
+        raise ConfigError(f"tensor: address {ptr:#x} is not device memory of this process ({exc})") from None
     finally:
         rt.setDevice(previous)
-    if rc != 0:
-        raise ConfigError(f"tensor: address {ptr:#x} is not device memory of this process (CUDA error {rc})")
-    return int(base.value), int(size.value)
-
-
-@functools.lru_cache(maxsize=1)
-def _get_address_range() -> Any:
-    fn = _libcuda().cuMemGetAddressRange_v2
-    fn.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t), ctypes.c_uint64]
-    return fn
 
 
 def allocate(num_bytes: int, device: torch.device) -> torch.Tensor:

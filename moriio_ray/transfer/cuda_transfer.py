@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
@@ -36,6 +37,14 @@ def pid_alive(pid: int, *, zombie_is_dead: bool = True) -> bool:
     return state not in (b"Z", b"X")
 
 
+class Event(Protocol):
+    """A recorded CUDA event: ``cuda_driver.RawEvent`` (the fast path) or ``torch.cuda.Event`` (timed)."""
+
+    def query(self) -> bool: ...
+
+    def synchronize(self) -> None: ...
+
+
 class CudaTransfer(Transfer):
     """A batch copy in flight on the agent's copy stream.
 
@@ -49,22 +58,31 @@ class CudaTransfer(Transfer):
         num_bytes: int,
         num_segments: int,
         peer_key: str,
-        event: torch.cuda.Event,
+        event: Event,
         peer_alive: Callable[[], bool],
+        method: str = "",
     ) -> None:
         self.num_bytes = num_bytes
         self.num_segments = num_segments
         self.peer_key = peer_key
         self.event = event
+        self.method = method  # kernel | copy_engine | memcpy | none: how the segments moved
         self._peer_alive = peer_alive
         self._error: BaseException | None = None
+        self._done = False  # the event was seen complete (it stays so)
         self.start_event: torch.cuda.Event | None = None  # set when the agent times transfers
 
     def device_seconds(self) -> float:
         """GPU time from the start of the copy (after its waits) to its end; needs ``time_transfers``."""
         assert self.start_event is not None, "set agent.time_transfers = True before issuing"
+        assert isinstance(self.event, torch.cuda.Event)
         self.event.synchronize()
         return float(self.start_event.elapsed_time(self.event)) * 1e-3
+
+    def _complete(self) -> bool:
+        if not self._done and self.event.query():
+            self._done = True
+        return self._done
 
     def fail(self, error: BaseException) -> None:
         """Mark the transfer failed (the copy may still run; its bytes are not to be trusted)."""
@@ -72,7 +90,7 @@ class CudaTransfer(Transfer):
             self._error = error
 
     def done(self) -> bool:
-        return self._error is not None or self.event.query()
+        return self._error is not None or self._complete()
 
     def error(self) -> BaseException | None:
         return self._error
@@ -85,7 +103,7 @@ class CudaTransfer(Transfer):
         while True:
             if self._error is not None:
                 raise self._error
-            if self.event.query():
+            if self._complete():
                 if self._error is not None:
                     raise self._error
                 return

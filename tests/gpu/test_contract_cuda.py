@@ -1,8 +1,11 @@
-"""The backend contract suite (tests/contract) on cuda_ipc: two GPUs, and two processes on one GPU.
+"""The backend contract suite (tests/contract) on cuda_ipc: every transfer method, on two GPUs and on
+one GPU (peer processes map the memory through IPC handles either way).
 
 - ``two-gpus``: this process's agents on GPU 0, the peers (``prefill-*`` agents here and peer
   processes) on GPU 1, so reads pull across NVLink and writes push across it.
-- ``one-gpu``: everything on GPU 0; peer processes still map the memory through IPC handles.
+- ``one-gpu``: everything on GPU 0.
+- Each runs with ``transfer.cuda_ipc.method`` set to every method the agent can choose
+  (``kernel``, ``copy_engine``, ``memcpy``, and ``auto``, which picks among them by size).
 
 The three mid-transfer tests need a hook that parks a copy half-way; a single kernel launch has
 none, so they skip (tests/gpu/test_cuda_ipc_procs.py kills a peer while a copy is queued instead).
@@ -16,6 +19,7 @@ from typing import Any, ClassVar
 import pytest
 import torch
 
+from moriio_ray.config import CUDA_IPC_METHODS, CudaIpcConfig
 from moriio_ray.transfer import MemoryDesc, TransferAgent
 from tests.contract.harness import Harness, PeerProcess
 from tests.contract.suite import ContractSuite
@@ -51,10 +55,20 @@ class TwoGpus(CudaIpcHarness):
     peer_device = "cuda:1"
 
 
+def _with_method(base: type[CudaIpcHarness], method: str) -> type[CudaIpcHarness]:
+    """``base`` with every agent (here and in peer processes) configured for ``method``."""
+    overrides = {"cuda_ipc": CudaIpcConfig(method=method)}
+    return type(f"{base.__name__}_{method}", (base,), {"config_overrides": overrides})
+
+
 @pytest.fixture(
     params=[
-        pytest.param(TwoGpus, id="two-gpus", marks=pytest.mark.gpu(min_gpus=2)),
-        pytest.param(CudaIpcHarness, id="one-gpu", marks=pytest.mark.gpu),
+        pytest.param(_with_method(cls, method), id=f"{name}-{method}", marks=mark)
+        for method in CUDA_IPC_METHODS
+        for cls, name, mark in (
+            (TwoGpus, "two-gpus", pytest.mark.gpu(min_gpus=2)),
+            (CudaIpcHarness, "one-gpu", pytest.mark.gpu),
+        )
     ]
 )
 def harness(request: pytest.FixtureRequest) -> Iterator[Harness]:

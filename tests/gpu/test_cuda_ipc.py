@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 from cuda_ipc_peer import apply, pattern, random_segments
 
-from moriio_ray.config import CudaIpcConfig
+from moriio_ray.config import CUDA_IPC_METHODS, CudaIpcConfig
 from moriio_ray.errors import SegmentOutOfBounds, TransferTimeout
 from moriio_ray.transfer import TransferConfig, create_agent
+from moriio_ray.transfer.cuda_kernels import KernelVariant
 
 torch = pytest.importorskip("torch")
 
@@ -92,6 +93,91 @@ def test_thousand_random_unaligned_segments_byte_for_byte(pair: tuple[Side, Side
     got = a.bytes() if op == "read" else b.bytes()
     bad = np.flatnonzero(got != expect)
     assert bad.size == 0, f"{bad.size} bytes differ, first at {bad[:5]}"
+
+
+# launch shapes the benchmark sweeps: each must copy the same bytes, launch after launch
+VARIANTS = [
+    KernelVariant(),
+    KernelVariant(dynamic=False),
+    KernelVariant(dynamic=False, chunk_bytes=0),
+    KernelVariant(unroll=8, threads=256),
+    KernelVariant(threads=1024, chunk_bytes=256 << 10),
+    KernelVariant(chunk_bytes=4096, ctas_per_sm=1),
+    KernelVariant(streaming=True, meta_in_host=True),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("method", CUDA_IPC_METHODS)
+def test_every_method_reads_and_writes_random_unaligned_segments(method: str) -> None:
+    config = TransferConfig(backend="cuda_ipc", cuda_ipc=CudaIpcConfig(method=method))
+    a, b = make_pair((0, 0), config)
+    try:
+        rng = np.random.default_rng(11)
+        dst, src, sizes = random_segments(rng, 1000, REGION_BYTES, REGION_BYTES, 5000)
+        expect = a.host.copy()
+        apply(expect, b.host, dst, src, sizes)
+        x = a.agent.read(a.mem, b.mem, dst, src, sizes)
+        x.wait(timeout_s=30)
+        assert x.method == (method if method != "auto" else "kernel")
+        assert np.array_equal(a.bytes(), expect)
+        dst2, src2, sizes2 = random_segments(
+            np.random.default_rng(12), 1000, REGION_BYTES, REGION_BYTES, 5000
+        )
+        expect_b = b.host.copy()
+        apply(expect_b, expect, dst2, src2, sizes2)
+        a.agent.write(a.mem, b.mem, src2, dst2, sizes2).wait(timeout_s=30)
+        bad = np.flatnonzero(b.bytes() != expect_b)
+        assert bad.size == 0, f"{method}: {bad.size} bytes differ, first at {bad[:5]}"
+    finally:
+        a.agent.close()
+        b.agent.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.label())
+def test_every_kernel_shape_copies_pages_and_mixed_segments_launch_after_launch(
+    variant: KernelVariant,
+) -> None:
+    config = TransferConfig(backend="cuda_ipc", cuda_ipc=CudaIpcConfig(method="kernel"))
+    a, b = make_pair((0, 0), config)
+    a.agent.tune(variant=variant)
+    page = 16 << 10
+    rng = np.random.default_rng(21)
+    pages = (  # uniform sizes (the kernel divides), then coalesced runs and odd sizes (it searches)
+        rng.choice(REGION_BYTES // page, 256, replace=False) * page,
+        rng.choice(REGION_BYTES // page, 256, replace=False) * page,
+        np.full(256, page),
+    )
+    mixed = random_segments(rng, 1500, REGION_BYTES, REGION_BYTES, 3000)
+    one = (np.array([0]), np.array([0]), np.array([REGION_BYTES]))  # one segment: many items per CTA
+    try:
+        for dst, src, sizes in (pages, mixed, pages, one, mixed):
+            a.region.copy_(torch.from_numpy(a.host))  # a no-op copy would leave this and fail
+            expect = a.host.copy()
+            apply(expect, b.host, dst, src, sizes)
+            a.agent.read(a.mem, b.mem, dst, src, sizes).wait(timeout_s=30)
+            bad = np.flatnonzero(a.bytes() != expect)
+            assert bad.size == 0, f"{variant.label()}: {bad.size} bytes differ, first at {bad[:5]}"
+    finally:
+        a.agent.close()
+        b.agent.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(60)
+def test_copy_engine_submission_names_its_mode() -> None:
+    a, b = make_pair((0, 0), TransferConfig(backend="cuda_ipc", cuda_ipc=CudaIpcConfig(method="copy_engine")))
+    try:
+        a.agent.read(a.mem, b.mem, [0], [0], [4096]).wait(timeout_s=30)
+        mode, reason = a.agent.copy_engine_mode(0)
+        assert mode in ("batch_v2", "batch_v1", "per_segment")
+        assert mode != "per_segment" or reason, "a fallback to one memcpy per segment must say why"
+    finally:
+        a.agent.close()
+        b.agent.close()
 
 
 @pytest.mark.gpu

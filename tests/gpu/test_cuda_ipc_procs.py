@@ -51,8 +51,10 @@ def procs(request: pytest.FixtureRequest) -> Iterator[tuple[Local, Peer]]:
 
 
 @pytest.mark.timeout(180)
-def test_read_and_write_thousand_random_segments_through_ipc(procs: tuple[Local, Peer]) -> None:
+@pytest.mark.parametrize("method", ["kernel", "copy_engine", "memcpy"])
+def test_read_and_write_thousand_random_segments_through_ipc(procs: tuple[Local, Peer], method: str) -> None:
     local, peer = procs
+    local.agent.tune(method=method)  # IPC-mapped memory, through each way the agent can copy
     remote_host = pattern(REGION_BYTES, 22)
     rng = np.random.default_rng(5)
     dst, src, sizes = random_segments(rng, 1000, REGION_BYTES, REGION_BYTES, 5000)
