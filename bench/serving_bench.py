@@ -73,6 +73,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--client-procs", type=int, default=max(1, min(8, (os.cpu_count() or 1) // 4)))
     p.add_argument("--http-server", default="inproc", choices=["inproc", "process"])
     p.add_argument("--probe-serve-process", action="store_true", help="also time one `serve run` start-up")
+    p.add_argument("--ingress-replicas", type=int, default=1, help="Serve ingress replicas (HTTP callers)")
     p.add_argument("--decode-batch", type=int, default=64)
     p.add_argument("--decode-steps", type=int, default=64)
     p.add_argument("--decode-repeats", type=int, default=3)
@@ -146,7 +147,14 @@ def main() -> None:
     sizes = {"max_concurrency": max(*a.concurrency, a.decode_batch), "max_prompt_len": max(a.prompt_lens)}
     max_output = max(a.output_tokens, a.decode_steps + 2)
     configs = {
-        s: pipeline_args(base_args, s, gpu=device == "cuda", output_tokens=max_output, **sizes)
+        s: pipeline_args(
+            base_args,
+            s,
+            gpu=device == "cuda",
+            output_tokens=max_output,
+            ingress_replicas=a.ingress_replicas,
+            **sizes,
+        )
         for s in PIPELINES
     }
     run = Run(a, device, configs, T_START_S)

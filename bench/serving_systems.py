@@ -47,6 +47,7 @@ def pipeline_args(
     max_concurrency: int,
     max_prompt_len: int,
     output_tokens: int,
+    ingress_replicas: int = 1,
 ) -> dict[str, Any]:
     """The pipeline config (a Serve app's ``args:``) of ``system``, derived from ``base``.
 
@@ -81,7 +82,7 @@ def pipeline_args(
     args["pool"] = pool
     serve = args.setdefault("serve", {})
     serve["max_ongoing_requests"] = 2 * max_concurrency  # never a 429 from the benchmark's own load
-    serve["num_replicas"] = 1
+    serve["num_replicas"] = ingress_replicas  # each replica is one caller with its own streams
     parse_pipeline_config(args)  # fail before anything starts
     return args
 

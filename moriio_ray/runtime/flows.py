@@ -9,7 +9,7 @@ Disaggregated (READ and WRITE, one function with numbered steps; ``Mode`` holds 
   5. the first token, sampled on P, goes to the caller from P's result (D never sends it again);
   6. once D has the KV and decodes, its tokens come on the stream.
   If the caller stops early, D and P are told to abort: their blocks and P's lease are freed at once.
-Colocated: ``C.generate`` admits the request; its tokens come on the stream.
+Colocated: ``C.generate`` prefills and answers with the first token; the later ones come on the stream.
 
 Failure rules: every remote await has a deadline; a prefill whose P dies is retried once on another
 P; a decode whose D dies ends with PeerLost, or (``on_transfer_failure: recompute``) continues on
@@ -145,7 +145,12 @@ class Flows:
         sub = streams.open(c, req.request_id)
         done = False
         try:
-            await self._call(c, c.actor.generate.remote(req, streams.caller_id), "generate", state)
+            ref = c.actor.generate.remote(req, streams.caller_id)
+            first = _merge([await self._call(c, ref, "generate", state)])
+            done = first.finished
+            yield first
+            if done:
+                return
             async for chunk in self._stream(c, sub, state):
                 done = chunk.finished  # set before each yield: the consumer may close us there
                 yield chunk

@@ -8,12 +8,14 @@ stream (``outputs``), one message per engine step for all of that caller's reque
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
 from moriio_ray import metrics
 from moriio_ray.config import PipelineConfig
 from moriio_ray.errors import InvalidRequest
+from moriio_ray.runtime.deadline import deadline
 from moriio_ray.runtime.messages import (
     DecodeStart,
     GenRequest,
@@ -22,6 +24,7 @@ from moriio_ray.runtime.messages import (
     Member,
     PeerRef,
     PushResult,
+    RequestOutput,
     Reservation,
     Role,
     WorkerInfo,
@@ -121,18 +124,25 @@ class EngineWorker:
 
     # -- colocated ------------------------------------------------------------------------------
 
-    async def generate(self, req: GenRequest, caller: str) -> None:
-        """Colocated: admit the request; its tokens go to ``caller``'s output stream."""
+    async def generate(self, req: GenRequest, caller: str) -> RequestOutput:
+        """Colocated: prefill and return the first token; the later tokens go to ``caller``'s
+        output stream (the first one answers this call: one hop less before the first token)."""
         c = self._role(Role.COLOCATED).core
         rec = c.table.open(req.request_id, caller)
         c.counters["requests"] += 1
+        rec.task = asyncio.current_task()
+        rec.prefill_out = first = asyncio.get_running_loop().create_future()
         try:
             await c.loop.call_now(
                 lambda: c.engine.add_request(req.request_id, req.prompt_token_ids, req.params)
             )
+            out = await deadline(first, c.config.runtime.remote_timeout_s, f"the prefill of {req.request_id}")
         except BaseException:
-            c.table.close(rec)
+            c.discard(rec)
             raise
+        finally:
+            rec.task = None
+        return RequestOutput(req.request_id, out.new_token_ids, out.logprobs, out.finish_reason)
 
     # -- prefill --------------------------------------------------------------------------------
 

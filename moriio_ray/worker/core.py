@@ -109,17 +109,17 @@ class WorkerCore:
             rec = self.table.by_engine(out.request_id)
             if rec is None:
                 continue  # aborted meanwhile
-            if rec.prefill_out is not None:
-                if not rec.prefill_out.done():
-                    rec.prefill_out.set_result(out)
-                continue
-            if rec.caller is None:
-                continue
-            self.hub.push(
-                rec.caller,
-                RequestOutput(rec.request_id, out.new_token_ids, out.logprobs, out.finish_reason),
-            )
-            if out.finished:
+            first = rec.prefill_out
+            if first is not None:  # the prefill's output answers the call waiting for it
+                rec.prefill_out = None  # (colocated: the later outputs go to the stream)
+                if not first.done():
+                    first.set_result(out)
+            elif rec.caller is not None:
+                self.hub.push(
+                    rec.caller,
+                    RequestOutput(rec.request_id, out.new_token_ids, out.logprobs, out.finish_reason),
+                )
+            if out.finished and rec.caller is not None:
                 self.table.close(rec)
 
     def on_fault(self, exc: BaseException) -> None:

@@ -59,24 +59,24 @@ class OutputHub:
         if box is None:
             box = self._boxes[caller] = _Box()
         box.num_open += 1
-        end_s = time.monotonic() + period_s
+        loop = asyncio.get_running_loop()
+        end_s = loop.time() + period_s
+        timer = loop.call_at(end_s, box.ready.set)  # one timer per stream, not one per wait
         try:
             while True:
                 if not box.items:
+                    if loop.time() >= end_s:
+                        return
                     box.ready.clear()
-                    left_s = end_s - time.monotonic()
-                    if left_s <= 0:
-                        return
-                    try:
-                        await asyncio.wait_for(box.ready.wait(), left_s)
-                    except asyncio.TimeoutError:
-                        return
+                    await box.ready.wait()
+                    continue
                 items, box.items = box.items, []
                 yield _encoder.encode(OutputBatch(items))
         except (asyncio.CancelledError, GeneratorExit):
             on_cancel(caller)
             raise
         finally:
+            timer.cancel()
             box.num_open -= 1
             box.last_seen_s = time.monotonic()
 

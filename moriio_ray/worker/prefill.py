@@ -110,12 +110,11 @@ class PrefillSide:
         c = self.core
         c.counters["requests"] += 1
         rec.task = asyncio.current_task()
-        rec.prefill_out = asyncio.get_running_loop().create_future()
+        # kept here: the output clears rec.prefill_out, maybe before add_request's call returns
+        rec.prefill_out = first = asyncio.get_running_loop().create_future()
         t0 = time.perf_counter()
         await c.loop.call_now(lambda: c.engine.add_request(req.request_id, req.prompt_token_ids, req.params))
-        out = await deadline(
-            rec.prefill_out, c.config.runtime.remote_timeout_s, f"the prefill of {req.request_id}"
-        )
+        out = await deadline(first, c.config.runtime.remote_timeout_s, f"the prefill of {req.request_id}")
         rec.check_cancelled()
         assert out.prefill is not None, "a prefill engine's output carries its PrefillResult"
         return out.prefill, out.finish_reason, time.perf_counter() - t0
