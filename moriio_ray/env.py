@@ -13,16 +13,6 @@ def log_level() -> str:
     return os.environ.get("MORIIO_RAY_LOG_LEVEL", "INFO").upper()
 
 
-def switch_interval_s() -> float:
-    """MORIIO_RAY_SWITCH_INTERVAL_S (default 0.0005): the GIL switch interval of worker processes.
-
-    A worker's engine thread gives up the GIL while the device computes and must get it back at
-    once when the step ends; with Python's default of 5 ms, a busy asyncio thread could hold it
-    for longer than a whole decode step.
-    """
-    return float(os.environ.get("MORIIO_RAY_SWITCH_INTERVAL_S", "0.0005"))
-
-
 def cluster_token() -> bytes:
     """The shared token that tcp servers require.
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import sys
 import time
 from collections.abc import AsyncIterator, Coroutine
 from typing import Any
@@ -50,7 +49,6 @@ class WorkerCore:
         self.key = key
         self.epoch = epoch
         logging.getLogger("moriio_ray").setLevel(env.log_level())
-        sys.setswitchinterval(env.switch_interval_s())  # see env.switch_interval_s
         _prepare_device(config, role)
         if config.transfer.backend == "shm":
             # A worker killed with SIGKILL leaves its segments behind; its replacement (same node)
