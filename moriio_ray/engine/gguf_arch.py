@@ -38,9 +38,15 @@ def _rope(f: GGUFFile, arch: str) -> RopeArgs:
     if "rope_freqs.weight" in f.tensor_names:
         # llama.cpp stores Llama 3.1+ rope scaling as per-frequency factors, not as parameters
         raise ConfigError("gguf: per-frequency rope factors (rope_freqs.weight) are not supported")
+    context = int(
+        f.value(f"{arch}.rope.scaling.original_context_length", f.value(f"{arch}.context_length", 2048))
+    )
     if scaling == "linear":
-        return RopeArgs(theta=theta, rope_type="linear", factor=float(f.value(f"{arch}.rope.scaling.factor")))
-    return RopeArgs(theta=theta)
+        factor = float(f.value(f"{arch}.rope.scaling.factor"))
+        return RopeArgs(
+            theta=theta, rope_type="linear", factor=factor, original_max_position_embeddings=context
+        )
+    return RopeArgs(theta=theta, original_max_position_embeddings=context)
 
 
 def args_from_gguf(f: GGUFFile) -> ModelArgs:
