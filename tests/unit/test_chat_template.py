@@ -25,7 +25,8 @@ def _render(source: str, messages: list | None = None, **extra: object) -> str:
 
 @pytest.mark.timeout(10)
 def test_loop_controls() -> None:
-    loop = "{% for m in messages %}{% if m.role == ROLE %}{% STATEMENT %}{% endif %}{{ m.content }}{% endfor %}"
+    loop = "{% for m in messages %}{% if m.role == ROLE %}{% STATEMENT %}{% endif %}{{ m.content }}"
+    loop += "{% endfor %}"
     skip_system = loop.replace("ROLE", "'system'").replace("STATEMENT", "continue")
     assert _render(skip_system) == "abc"
     until_assistant = loop.replace("ROLE", "'assistant'").replace("STATEMENT", "break")
