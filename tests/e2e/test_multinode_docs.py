@@ -88,6 +88,9 @@ def cluster() -> Iterator[tuple[TwoNodes, str]]:
                 serve.stop(timeout_s=60)
             except Exception:
                 pass
+        if serve.proc is None:  # serve run never started; leftover_pids needs a child to compare with
+            serve.proc = subprocess.Popen(["true"])
+            serve.proc.wait()
         serve.kill()  # every process run with this test's RAY_TMPDIR: both nodes' raylets, GCS, workers
         serve.remove_work_dir()
 
@@ -105,7 +108,7 @@ def test_documented_multinode_steps(cluster: tuple[TwoNodes, str]) -> None:
     ]:
         assert line in steps, f"docs/serve.md no longer says {line!r}; update this test with it"
     auth = {"RAY_AUTH_MODE": "token"}
-    node_args = ["--num-cpus=1", "--include-dashboard=false", "--disable-usage-stats"]
+    node_args = ["--num-cpus=1", "--disable-usage-stats"]
 
     # 1. on the head: a token, then the head node
     gen = nodes.run("head", RAY, "get-auth-token", "--generate", **auth)
@@ -114,7 +117,7 @@ def test_documented_multinode_steps(cluster: tuple[TwoNodes, str]) -> None:
     assert token and (nodes.homes["head"] / ".ray" / "auth_token").read_text().strip() == token
     head = nodes.run(
         "head", RAY, "start", "--head", f"--port={nodes.port}", f"--metrics-export-port={free_port()}",
-        *node_args, **auth,
+        "--include-dashboard=false", *node_args, **auth,
     )  # fmt: skip
     assert head.returncode == 0, head.stdout + head.stderr
 
