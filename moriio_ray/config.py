@@ -157,20 +157,30 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 class ModelConfig(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
-    """Which weights the engines run: a named preset (seeded random weights) or a local HF directory."""
+    """Which weights the engines run: a named preset (seeded random weights) or a local model.
 
-    preset: str | None = "tiny"  # tiny | llama-1b | qwen3-0.6b | llama-8b
-    path: str | None = None  # a local HF-format directory; never downloaded
+    ``path`` is a local HF-format directory, a ``.gguf`` file, or the name of a model that a pip
+    package ships (``smollm2-135m-instruct``). With no ``path``, ``preset`` defaults to ``tiny``.
+    """
+
+    preset: str | None = None  # tiny | llama-1b | qwen3-0.6b | llama-8b; tiny when path is unset
+    path: str | None = None  # a directory, a .gguf file or a packaged model's name; never downloaded
     dtype: str = "auto"  # auto: bfloat16 on GPU, float32 on CPU
     seed: int = 0
     max_model_len: int | None = None  # None: the model's own
     served_name: str | None = None  # the name clients pass as `model`; default from preset/path
 
     def __post_init__(self) -> None:
-        if (self.preset is None) == (self.path is None):
-            raise ConfigError("preset/path: set exactly one of model.preset and model.path")
-        if self.preset is not None:
+        if self.preset is not None and self.path is not None:
+            raise ConfigError(
+                f"preset/path: set one of model.preset ({self.preset!r}) and model.path ({self.path!r}), "
+                "not both"
+            )
+        if self.path is None:
+            msgspec.structs.force_setattr(self, "preset", self.preset or "tiny")
             _choice(self, "preset", PRESETS)
+        elif not str(self.path).strip():
+            raise ConfigError("path: must not be empty")
         _choice(self, "dtype", DTYPES)
         if self.max_model_len is not None:
             _at_least(self, "max_model_len", 2)
@@ -181,7 +191,8 @@ class ModelConfig(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
             return self.served_name
         if self.preset is not None:
             return self.preset
-        return Path(str(self.path)).name
+        path = Path(str(self.path))
+        return path.stem if path.suffix == ".gguf" else path.name
 
 
 PRESETS = ("tiny", "llama-1b", "qwen3-0.6b", "llama-8b")

@@ -25,6 +25,8 @@ _ARCHS = {
     "Qwen3ForCausalLM": "qwen3",
 }
 ROPE_TYPES = ("default", "linear", "llama3")
+# the MLP's gate activation: silu (SwiGLU), or GELU exact / tanh-approximated (GeGLU)
+ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,8 +62,13 @@ class ModelArgs:
     mlp_bias: bool = False
     qk_norm: bool = False
     sliding_window: int | None = None  # attention is exact only up to this length
+    hidden_act: str = "silu"  # one of ACTIVATIONS
 
     def __post_init__(self) -> None:
+        if self.hidden_act not in ACTIVATIONS:
+            raise ConfigError(
+                f"hidden_act: {self.hidden_act!r} is not supported; supported: {', '.join(ACTIVATIONS)}"
+            )
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(
                 f"num_key_value_heads: {self.num_kv_heads} does not divide num_attention_heads "
@@ -140,6 +147,7 @@ def from_hf_config(cfg: dict[str, Any]) -> ModelArgs:
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             qk_norm=qk_norm,
             sliding_window=int(window) if window else None,
+            hidden_act=str(cfg.get("hidden_act", "silu")),
         )
     except KeyError as exc:
         raise ConfigError(f"config.json: missing field {exc.args[0]!r}") from None

@@ -1,14 +1,15 @@
-"""Building blocks of the decoder: RMSNorm, rotary embedding (default, linear, llama3) and SwiGLU."""
+"""Building blocks of the decoder: RMSNorm, rotary embedding (default, linear, llama3) and the gated MLP."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moriio_ray.engine.arch import RopeArgs
+from moriio_ray.engine.arch import ACTIVATIONS, RopeArgs
 
 
 class RMSNorm(nn.Module):
@@ -82,14 +83,28 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([-x2, x1], dim=-1)
 
 
-class SwiGLU(nn.Module):
-    """down(silu(gate(x)) * up(x)), with gate and up merged into one projection."""
+_GATE_ACTS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
+assert set(_GATE_ACTS) == set(ACTIVATIONS)
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
+
+class SwiGLU(nn.Module):
+    """down(act(gate(x)) * up(x)), with gate and up merged into one projection.
+
+    ``act`` is the checkpoint's ``hidden_act``: silu (SwiGLU, the default) or a GELU (GeGLU).
+    """
+
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, bias: bool, hidden_act: str = "silu"
+    ) -> None:
         super().__init__()
+        self.act = _GATE_ACTS[hidden_act]  # ModelArgs refuses any other value with a ConfigError
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)

@@ -65,7 +65,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.self_attn = Attention(args)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.mlp = SwiGLU(args.hidden_size, args.intermediate_size, args.mlp_bias)
+        self.mlp = SwiGLU(args.hidden_size, args.intermediate_size, args.mlp_bias, args.hidden_act)
 
     def forward(
         self,

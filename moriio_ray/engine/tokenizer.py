@@ -1,22 +1,24 @@
-"""Tokenizers: a model directory's ``tokenizer.json`` (through ``tokenizers``) or a byte-level one.
+"""Tokenizers: a model directory's ``tokenizer.json``, a GGUF file's vocabulary, or a byte-level one.
 
-Chat templates are rendered with jinja2 in a sandbox, from ``tokenizer_config.json``'s
-``chat_template`` (or ``chat_template.jinja``); presets and directories without one use a plain
-``role: content`` template.
+Chat templates render as in transformers (``chat_template.py``), from ``tokenizer_config.json``'s
+``chat_template`` (or ``chat_template.jinja``) or a GGUF file's ``tokenizer.chat_template``; presets
+and models without one use a plain ``role: content`` template.
 """
 
 from __future__ import annotations
 
 import abc
-import datetime
 import json
 from pathlib import Path
 from typing import Any
 
-import jinja2
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as RustTokenizer
 
 from moriio_ray.config import ModelConfig
+from moriio_ray.engine.chat_template import ChatTemplate
+from moriio_ray.engine.gguf_file import open_gguf
+from moriio_ray.engine.gguf_tokenizer import gguf_vocab
+from moriio_ray.engine.model_path import model_source
 from moriio_ray.engine.presets import BYTE_VOCAB_SIZE
 from moriio_ray.errors import ConfigError, InvalidRequest
 
@@ -34,14 +36,7 @@ class Tokenizer(abc.ABC):
     eos_token_ids: list[int]
 
     def __init__(self, chat_template: str, special_tokens: dict[str, str]) -> None:
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = _raise_exception
-        env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
-        try:
-            self._template = env.from_string(chat_template)
-        except jinja2.TemplateError as exc:
-            raise ConfigError(f"chat_template: does not parse: {exc}") from None
-        self._special_tokens = special_tokens
+        self._template = ChatTemplate(chat_template, special_tokens)
 
     @abc.abstractmethod
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -56,16 +51,7 @@ class Tokenizer(abc.ABC):
         for i, message in enumerate(messages):
             if not isinstance(message, dict) or "role" not in message or "content" not in message:
                 raise InvalidRequest(f"messages[{i}]: each message needs a 'role' and a 'content'")
-        try:
-            return self._template.render(
-                messages=messages, add_generation_prompt=True, **self._special_tokens
-            )
-        except jinja2.TemplateError as exc:
-            raise InvalidRequest(f"messages: the chat template rejected them: {exc}") from None
-
-
-def _raise_exception(message: str) -> None:
-    raise jinja2.TemplateError(message)
+        return self._template.render(messages, add_generation_prompt=True)
 
 
 class ByteTokenizer(Tokenizer):
@@ -92,25 +78,22 @@ class ByteTokenizer(Tokenizer):
         return out.decode("utf-8", errors="replace")
 
 
-class HFTokenizer(Tokenizer):
-    """A model directory's ``tokenizer.json``, its chat template and its EOS ids."""
+class RustBackedTokenizer(Tokenizer):
+    """A ``tokenizers`` tokenizer with a chat template, special tokens and EOS ids."""
 
-    def __init__(self, model_dir: Path) -> None:
-        from tokenizers import Tokenizer as RustTokenizer
-
-        cfg = _read_json(model_dir / "tokenizer_config.json")
-        special = {k: _token_text(cfg.get(k)) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
-        super().__init__(_chat_template(model_dir, cfg), {k: v or "" for k, v in special.items()})
-        self._tok = RustTokenizer.from_file(str(model_dir / "tokenizer.json"))
-        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-        bos = special["bos_token"]
-        self.bos_token_id = self._tok.token_to_id(bos) if bos else None
-        eos_ids = _as_list(_read_json(model_dir / "generation_config.json").get("eos_token_id"))
-        eos = special["eos_token"]
-        eos_id = self._tok.token_to_id(eos) if eos else None
-        if eos_id is not None:
-            eos_ids.append(eos_id)
-        self.eos_token_ids = sorted(set(eos_ids))
+    def __init__(
+        self,
+        tok: RustTokenizer,
+        chat_template: str | None,
+        special_tokens: dict[str, str],
+        bos_token_id: int | None,
+        eos_token_ids: list[int],
+    ) -> None:
+        super().__init__(chat_template or DEFAULT_CHAT_TEMPLATE, special_tokens)
+        self._tok = tok
+        self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
+        self.bos_token_id = bos_token_id
+        self.eos_token_ids = sorted(set(eos_token_ids))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
@@ -132,7 +115,42 @@ class HFTokenizer(Tokenizer):
         return "".join(parts)
 
 
-def _chat_template(model_dir: Path, cfg: dict[str, Any]) -> str:
+class HFTokenizer(RustBackedTokenizer):
+    """A model directory's ``tokenizer.json``, its chat template and its EOS ids."""
+
+    def __init__(self, model_dir: Path) -> None:
+        cfg = _read_json(model_dir / "tokenizer_config.json")
+        special = {k: _token_text(cfg.get(k)) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
+        tok = RustTokenizer.from_file(str(model_dir / "tokenizer.json"))
+        bos, eos = special["bos_token"], special["eos_token"]
+        eos_ids = _as_list(_read_json(model_dir / "generation_config.json").get("eos_token_id"))
+        eos_id = tok.token_to_id(eos) if eos else None
+        if eos_id is not None:
+            eos_ids.append(eos_id)
+        super().__init__(
+            tok,
+            _chat_template(model_dir, cfg),
+            {k: v or "" for k, v in special.items()},
+            tok.token_to_id(bos) if bos else None,
+            eos_ids,
+        )
+
+
+class GGUFTokenizer(RustBackedTokenizer):
+    """The tokenizer a GGUF file describes (``gguf_tokenizer.py``), with its chat template."""
+
+    def __init__(self, path: Path) -> None:
+        vocab = gguf_vocab(open_gguf(path))
+        super().__init__(
+            vocab.tokenizer,
+            vocab.chat_template,
+            vocab.special_tokens,
+            vocab.bos_token_id,
+            vocab.eos_token_ids,
+        )
+
+
+def _chat_template(model_dir: Path, cfg: dict[str, Any]) -> str | None:
     template = cfg.get("chat_template")
     if isinstance(template, list):  # [{"name": ..., "template": ...}]
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
@@ -140,7 +158,7 @@ def _chat_template(model_dir: Path, cfg: dict[str, Any]) -> str:
     jinja_file = model_dir / "chat_template.jinja"
     if not template and jinja_file.is_file():
         template = jinja_file.read_text()
-    return str(template) if template else DEFAULT_CHAT_TEMPLATE
+    return str(template) if template else None
 
 
 def _token_text(value: Any) -> str | None:
@@ -166,10 +184,12 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def load_tokenizer(config: ModelConfig) -> Tokenizer:
-    """The byte tokenizer for presets; the directory's ``tokenizer.json`` for a model path."""
+    """The byte tokenizer for presets; a GGUF file's vocabulary; a directory's ``tokenizer.json``."""
     if config.preset is not None:
         return ByteTokenizer()
-    model_dir = Path(str(config.path)).expanduser()
-    if not (model_dir / "tokenizer.json").is_file():
-        raise ConfigError(f"model.path: {model_dir} has no tokenizer.json")
-    return HFTokenizer(model_dir)
+    source = model_source(config)
+    if source.is_file():
+        return GGUFTokenizer(source)
+    if not (source / "tokenizer.json").is_file():
+        raise ConfigError(f"model.path: {source} has no tokenizer.json")
+    return HFTokenizer(source)

@@ -129,8 +129,11 @@ def test_unknown_field_lists_the_allowed_ones(data: dict[str, Any], message: str
 @pytest.mark.parametrize(
     ("data", "pattern"),
     [
-        ({"model": {"preset": None}}, "model.preset/path: set exactly one of model.preset and model.path"),
-        ({"model": {"path": "/models/x"}}, "model.preset/path: set exactly one"),
+        (
+            {"model": {"preset": "tiny", "path": "/models/x"}},
+            r"model.preset/path: set one of model.preset \('tiny'\) and model.path \('/models/x'\), not both",
+        ),
+        ({"model": {"path": " "}}, "model.path: must not be empty"),
         ({"pool": {"prefill": {"resources": {"acc": -1}}}}, r"pool.prefill.resources.acc: -1.0 must be >= 0"),
         (
             {"pool": {"prefill": {"labels": {"bad key!": "x"}}}},
@@ -143,6 +146,19 @@ def test_unknown_field_lists_the_allowed_ones(data: dict[str, Any], message: str
 def test_combination_errors(data: dict[str, Any], pattern: str) -> None:
     with pytest.raises(ConfigError, match=pattern):
         parse_pipeline_config(data)
+
+
+def test_a_model_path_wins_without_preset_null() -> None:
+    """``preset`` defaults to tiny only when no path is given, so ``model: {path: ...}`` is enough."""
+    assert parse_pipeline_config({}).model.preset == "tiny"
+    assert parse_pipeline_config({"model": {"preset": None}}).model.preset == "tiny"
+    for path, name in [
+        ("/models/x", "x"),
+        ("/m/SmolLM2-135M-Instruct.Q4_1.gguf", "SmolLM2-135M-Instruct.Q4_1"),
+        ("smollm2-135m-instruct", "smollm2-135m-instruct"),
+    ]:
+        model = parse_pipeline_config({"model": {"path": path}}).model
+        assert model.preset is None and model.path == path and model.name == name
 
 
 def test_root_must_be_a_mapping() -> None:

