@@ -15,6 +15,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -127,8 +128,16 @@ def test_documented_multinode_steps(cluster: tuple[TwoNodes, str]) -> None:
         *node_args, RAY_AUTH_TOKEN=token, **auth,
     )  # fmt: skip
     assert worker.returncode == 0, worker.stdout + worker.stderr
-    status = nodes.run("worker", RAY, "status", f"--address={nodes.address}", RAY_AUTH_TOKEN=token, **auth)
-    assert status.returncode == 0 and status.stdout.count(" node_") == 2, status.stdout + status.stderr
+    # the joined node shows in `ray status` once the autoscaler's view catches up (poll, bounded)
+    deadline_s = time.monotonic() + 60
+    while True:
+        status = nodes.run(
+            "worker", RAY, "status", f"--address={nodes.address}", RAY_AUTH_TOKEN=token, **auth
+        )
+        if status.returncode == 0 and status.stdout.count(" node_") == 2:
+            break
+        assert time.monotonic() < deadline_s, status.stdout + status.stderr
+        time.sleep(1.0)
 
     # 3. serve run --address on the head, in the head's environment
     config = _cpu_config(nodes.work)
