@@ -230,17 +230,32 @@ _LABEL = re.compile(r"^[A-Za-z0-9_.\-/]+$")
 
 
 class RoleConfig(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
-    """One role's pool: how many engines and what each needs."""
+    """One role's pool: how many engines and what each needs.
+
+    ``tensor_parallel_size`` (vLLM's ``-tp``) shards each engine over that many ranks, one process
+    each, placed together on one node; ``num_gpus``, ``num_cpus`` and ``resources`` are per rank.
+    Whether it divides the model's heads is checked where the model is known (the engine).
+    """
 
     replicas: int = 1
-    num_gpus: float = 0.0  # GPUs per engine; 0 runs the engine on the CPU
-    num_cpus: float = 1.0
-    resources: dict[str, float] = msgspec.field(default_factory=dict)  # custom Ray resources
+    tensor_parallel_size: int = 1  # ranks per engine
+    num_gpus: float = 0.0  # GPUs per rank (per engine at TP = 1); 0 runs the engine on the CPU
+    num_cpus: float = 1.0  # per rank
+    resources: dict[str, float] = msgspec.field(default_factory=dict)  # custom Ray resources, per rank
     labels: dict[str, str] = msgspec.field(default_factory=dict)  # node label selector
 
     def __post_init__(self) -> None:
         _at_least(self, "replicas", 0)
+        if self.tensor_parallel_size < 1:
+            raise ConfigError(
+                f"tensor_parallel_size: {self.tensor_parallel_size!r} must be a positive integer"
+            )
         _at_least(self, "num_gpus", 0.0)
+        if self.tensor_parallel_size > 1 and 0 < self.num_gpus < 1:
+            raise ConfigError(
+                f"num_gpus: {self.num_gpus!r} with tensor_parallel_size {self.tensor_parallel_size}: each "
+                "rank needs a whole GPU (NCCL runs one rank per device); set num_gpus: 1"
+            )
         _at_least(self, "num_cpus", 0.0)
         for key, amount in self.resources.items():
             if amount < 0:

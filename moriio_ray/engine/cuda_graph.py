@@ -42,8 +42,10 @@ class DecodeGraphs:
         max_model_len: int,
         device: torch.device,
         max_gather_bytes: int = 2 << 30,
+        with_logits: bool = True,
     ) -> None:
         self.model, self.kv_layers, self.block_size = model, kv_layers, block_size
+        self.with_logits = with_logits  # tensor-parallel ranks other than 0 capture without the LM head
         self.scratch_block = scratch_block
         self.buckets = batch_buckets(max_batch)
         self.max_width = -(-max_model_len // block_size)  # block-table columns of the longest sequence
@@ -99,7 +101,7 @@ class DecodeGraphs:
             decode_mask=decode_mask(positions + 1, width * self.block_size),
         )
         hidden = self.model(self.ids[:bucket], positions, self.kv_layers, meta)
-        return self.model.compute_logits(hidden)
+        return self.model.compute_logits(hidden) if self.with_logits else hidden
 
     def _capture(self, bucket: int, width: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         side = torch.cuda.Stream(self.device)

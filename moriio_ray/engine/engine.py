@@ -9,6 +9,9 @@
 
 Every public method holds one lock, so a runtime may drive ``step`` from a worker thread while
 another thread calls ``release`` or ``abort``.
+
+Under tensor parallelism (``tp``) this engine is rank 0: it schedules, broadcasts each batch to the
+other ranks (``RankEngine``, one message per step), runs its own shard and samples.
 """
 
 from __future__ import annotations
@@ -24,18 +27,16 @@ import torch
 
 from moriio_ray.config import EngineConfig, ModelConfig
 from moriio_ray.engine.block_allocator import BlockAllocator
-from moriio_ray.engine.cuda_graph import DecodeGraphs
-from moriio_ray.engine.device import resolve_device, resolve_dtype
-from moriio_ray.engine.kv_cache import KVCache
-from moriio_ray.engine.loader import load_model, model_args, resolve_max_model_len
 from moriio_ray.engine.outputs import PrefillResult, StepOutput
-from moriio_ray.engine.runner import ModelRunner
+from moriio_ray.engine.rank import build_rank
 from moriio_ray.engine.sampler import SamplingRow, row_key, sample
 from moriio_ray.engine.sampling import SamplingParams
 from moriio_ray.engine.scheduler import Scheduler
 from moriio_ray.engine.sequence import SeqState, Sequence, blocks_for
 from moriio_ray.engine.stopping import check_stop
 from moriio_ray.engine.tokenizer import load_tokenizer
+from moriio_ray.engine.tp import SINGLE, TPGroup
+from moriio_ray.engine.tp_steps import Kind, StepChannel, StepMsg, encode_batch
 from moriio_ray.errors import CapacityError, ConfigError, InvalidRequest
 
 if TYPE_CHECKING:
@@ -60,43 +61,34 @@ class Engine:
         lease_grace_s: float = 5.0,
         lease_s: float = 30.0,
         cuda_graphs: bool = True,
+        tp: TPGroup = SINGLE,
     ) -> None:
         if role not in ROLES:
             raise ConfigError(f"role: {role!r} is not one of {', '.join(ROLES)}")
         self.role = role
         self.lease_s = lease_s
         self.lease_grace_s = lease_grace_s
-        self.device = resolve_device(engine.device)
-        self.dtype = resolve_dtype(model.dtype, self.device)
-        self.args = model_args(model)
-        self.max_model_len = resolve_max_model_len(self.args, model.max_model_len)
-        self.model = load_model(model, self.device, self.dtype, self.max_model_len)
+        if not tp.is_leader:
+            raise ConfigError(f"tp: an Engine is rank 0 of its group; rank {tp.rank} runs a RankEngine")
+        parts = build_rank(model, engine, role=role, agent=agent, tp=tp, cuda_graphs=cuda_graphs)
+        self.device, self.dtype, self.args = parts.device, parts.dtype, parts.args
+        self.max_model_len = parts.max_model_len
+        self.model = parts.model
         self.tokenizer = load_tokenizer(model)
-        # on CUDA, decode steps replay CUDA graphs; their padding rows write into one scratch block
-        # (a prefill engine never decodes, so it needs none)
-        use_graphs = cuda_graphs and self.device.type == "cuda" and role != "prefill"
-        self.cache = KVCache(self.args, engine, self.dtype, self.device, agent, extra_blocks=int(use_graphs))
+        self.cache = parts.cache
         self.kv_cache: torch.Tensor = self.cache.tensor
         self.kv_mem = self.cache.mem
         self.layout = self.cache.layout
         self.block_size = engine.block_size
-        self.allocator = BlockAllocator(self.layout.num_blocks - int(use_graphs))
+        self.allocator = BlockAllocator(parts.num_blocks)
         self.scheduler = Scheduler(
             self.allocator, engine.block_size, engine.max_num_seqs, engine.max_num_batched_tokens
         )
-        graphs = None
-        if use_graphs:
-            graphs = DecodeGraphs(
-                self.model,
-                self.cache.layers,
-                engine.block_size,
-                self.allocator.num_blocks,
-                engine.max_num_seqs,
-                self.max_model_len,
-                self.device,
-            )
-        self.graphs = graphs
-        self.runner = ModelRunner(self.model, self.cache, self.device, graphs)
+        self.graphs = parts.graphs
+        self.runner = parts.runner
+        self.tp = tp
+        # the other ranks' step messages (None at TP = 1: no message, no collective)
+        self._steps = StepChannel(tp) if tp.size > 1 else None
         self._seqs: dict[str, Sequence] = {}
         self._pending: list[StepOutput] = []  # outputs produced outside step(), returned by the next one
         self._layer_hook: LayerHook | None = None
@@ -224,6 +216,8 @@ class Engine:
             batch = self.scheduler.schedule()
             if batch is None:
                 return outputs
+            if self._steps is not None:
+                self._steps.send(encode_batch(batch))  # the other ranks run the same batch
             hook = self._layer_hook
             ids = [seq.request_id for seq in batch.seqs]
             layer_hook = (lambda i: hook(i, ids)) if hook is not None and batch.is_prefill else None
@@ -361,9 +355,15 @@ class Engine:
     def capture_graphs(self) -> int:
         """Capture every decode CUDA graph now (workers do, before serving); how many there are."""
         with self._lock:
+            if self._steps is not None:
+                self._steps.send(StepMsg(Kind.CAPTURE))  # every rank captures the same graphs
             return self.graphs.capture_all() if self.graphs is not None else 0
 
     def close(self) -> None:
-        """Deregister the KV cache from the agent (the agent is the caller's to close)."""
+        """Deregister the KV cache from the agent (the agent is the caller's to close); the other
+        ranks of a tensor-parallel engine leave their loops."""
         with self._lock:
+            if self._steps is not None:
+                self._steps.send(StepMsg(Kind.STOP))
+                self._steps = None
             self.cache.close()

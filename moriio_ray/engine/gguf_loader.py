@@ -14,6 +14,7 @@ import torch
 from moriio_ray.engine.gguf_dequant import dequantize, type_info
 from moriio_ray.engine.gguf_file import GGUFFile
 from moriio_ray.engine.model import CausalLM
+from moriio_ray.engine.tp_shard import WeightShards, apply_cut
 from moriio_ray.engine.weight_sink import WeightSink
 from moriio_ray.errors import ConfigError
 
@@ -52,10 +53,11 @@ def unpermute_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def load_gguf_weights(model: CausalLM, f: GGUFFile) -> None:
-    """Every tensor of ``f`` into ``model`` (dequantized on the model's device, cast to its dtype)."""
+def load_gguf_weights(model: CausalLM, f: GGUFFile, shards: WeightShards | None = None) -> None:
+    """Every tensor of ``f`` into ``model`` (dequantized on the model's device, cast to its dtype);
+    under tensor parallelism each tensor is dequantized whole, then cut to the rank's slice."""
     sink = WeightSink(model, f"gguf: {f.path.name}")
-    args = model.args
+    args = shards.args if shards is not None else model.args  # the full model: heads to unpermute
     permuted = f.architecture == "llama"
     for name in f.tensor_names:
         target = hf_name(name)
@@ -69,5 +71,6 @@ def load_gguf_weights(model: CausalLM, f: GGUFFile) -> None:
             weights = unpermute_rows(weights, args.num_heads)
         elif permuted and ".attn_k." in name:
             weights = unpermute_rows(weights, args.num_kv_heads)
-        sink.put(target, weights)  # cast to the model's dtype on copy
+        cut = shards.checkpoint_cut(target) if shards is not None else None
+        sink.put(target, apply_cut(weights, cut))  # cast to the model's dtype on copy
     sink.finish()

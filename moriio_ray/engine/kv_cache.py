@@ -22,7 +22,15 @@ if TYPE_CHECKING:
 DEFAULT_CPU_BLOCKS = 512
 
 
-def _layout(args: ModelArgs, config: EngineConfig, dtype: torch.dtype, num_blocks: int) -> KVLayout:
+def _layout(
+    args: ModelArgs,
+    config: EngineConfig,
+    dtype: torch.dtype,
+    num_blocks: int,
+    heads: range | None = None,
+    total_kv_heads: int = 0,
+) -> KVLayout:
+    start = heads.start if heads is not None else 0
     return KVLayout(
         num_layers=args.num_layers,
         num_blocks=num_blocks,
@@ -31,6 +39,8 @@ def _layout(args: ModelArgs, config: EngineConfig, dtype: torch.dtype, num_block
         head_dim=args.head_dim,
         dtype=dtype_name(dtype),
         order=config.layout,
+        kv_head_start=start,
+        total_kv_heads=total_kv_heads,
     )
 
 
@@ -58,7 +68,9 @@ class KVCache:
 
     Each view has shape [num_blocks, block_size, kv_heads, head_dim]; in the block-major layout the
     views are strided (a block's layers sit next to each other). ``extra_blocks`` are added beyond
-    the configured count (the engine keeps one as scratch for padded CUDA-graph rows).
+    the configured count (the engine keeps one as scratch for padded CUDA-graph rows). A
+    tensor-parallel rank's cache holds its own KV heads: ``args`` is the rank's share of the model,
+    ``heads`` the model's heads it holds (``KVLayout.kv_head_start``) out of ``total_kv_heads``.
     """
 
     def __init__(
@@ -69,9 +81,11 @@ class KVCache:
         device: torch.device,
         agent: TransferAgent | None = None,
         extra_blocks: int = 0,
+        heads: range | None = None,
+        total_kv_heads: int = 0,
     ) -> None:
         num_blocks = resolve_num_blocks(args, config, dtype, device) + extra_blocks
-        self.layout = _layout(args, config, dtype, num_blocks)
+        self.layout = _layout(args, config, dtype, num_blocks, heads, total_kv_heads)
         self._agent = agent
         if agent is None:
             self.tensor = torch.zeros(self.layout.shape, dtype=dtype, device=device)

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moriio_ray.engine.arch import ACTIVATIONS, RopeArgs
+from moriio_ray.engine.tp import SINGLE, TPGroup, row_linear
 
 
 class RMSNorm(nn.Module):
@@ -95,15 +96,22 @@ class SwiGLU(nn.Module):
     """down(act(gate(x)) * up(x)), with gate and up merged into one projection.
 
     ``act`` is the checkpoint's ``hidden_act``: silu (SwiGLU, the default) or a GELU (GeGLU).
+    Under tensor parallelism ``intermediate_size`` is one rank's rows: ``gate_up_proj`` is
+    column-parallel (this rank's gate rows, then its up rows) and ``down_proj`` row-parallel.
     """
 
     def __init__(
-        self, hidden_size: int, intermediate_size: int, bias: bool, hidden_act: str = "silu"
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        bias: bool,
+        hidden_act: str = "silu",
+        tp: TPGroup = SINGLE,
     ) -> None:
         super().__init__()
         self.act = _GATE_ACTS[hidden_act]  # ModelArgs refuses any other value with a ConfigError
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.down_proj = row_linear(intermediate_size, hidden_size, bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)

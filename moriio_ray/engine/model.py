@@ -16,6 +16,7 @@ from torch import nn
 from moriio_ray.engine.arch import ModelArgs
 from moriio_ray.engine.attention import AttnMetadata, paged_decode_attention, prefill_attention, write_kv
 from moriio_ray.engine.layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary
+from moriio_ray.engine.tp import SINGLE, TPGroup, row_linear
 
 KVPair = tuple[torch.Tensor, torch.Tensor]  # a layer's (k_cache, v_cache): [num_blocks, block_size, Hkv, D]
 Rotary = tuple[torch.Tensor, torch.Tensor]  # (cos, sin) of the batch's positions: [T, 1, D] each
@@ -23,14 +24,18 @@ LayerHook = Callable[[int], None]
 
 
 class Attention(nn.Module):
-    """GQA self-attention that writes its K/V into the paged cache before attending."""
+    """GQA self-attention that writes its K/V into the paged cache before attending.
 
-    def __init__(self, args: ModelArgs) -> None:
+    Under tensor parallelism ``args`` holds one rank's heads (``tp.shard_args``): ``qkv_proj`` is
+    column-parallel and ``o_proj`` row-parallel (one all-reduce).
+    """
+
+    def __init__(self, args: ModelArgs, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
         self.q_size, self.kv_size = args.q_size, args.kv_size
         self.qkv_proj = nn.Linear(args.hidden_size, self.q_size + 2 * self.kv_size, bias=args.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, args.hidden_size, bias=args.o_bias)
+        self.o_proj = row_linear(self.q_size, args.hidden_size, args.o_bias, tp)
         self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
 
@@ -60,12 +65,12 @@ class Attention(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.))."""
 
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.self_attn = Attention(args)
+        self.self_attn = Attention(args, tp)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.mlp = SwiGLU(args.hidden_size, args.intermediate_size, args.mlp_bias, args.hidden_act)
+        self.mlp = SwiGLU(args.hidden_size, args.intermediate_size, args.mlp_bias, args.hidden_act, tp)
 
     def forward(
         self,
@@ -81,10 +86,10 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     """Embedding, the layer stack and the final norm (HF's ``model.`` prefix)."""
 
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, tp: TPGroup = SINGLE) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList([DecoderLayer(args) for _ in range(args.num_layers)])
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)  # replicated under TP
+        self.layers = nn.ModuleList([DecoderLayer(args, tp) for _ in range(args.num_layers)])
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
 
@@ -93,12 +98,15 @@ class CausalLM(nn.Module):
 
     ``forward`` runs the packed new tokens of a batch (prefill or decode, as ``meta`` says) and
     returns their final hidden states; ``compute_logits`` turns selected rows into float32 logits.
+    Under tensor parallelism ``args`` is one rank's share (``tp.shard_args``) and the LM head is
+    replicated, so every rank could compute full logits (only rank 0 samples).
     """
 
-    def __init__(self, args: ModelArgs, max_positions: int) -> None:
+    def __init__(self, args: ModelArgs, max_positions: int, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         self.args = args
-        self.model = DecoderModel(args)
+        self.tp = tp
+        self.model = DecoderModel(args, tp)
         self.rotary = RotaryEmbedding(args.head_dim, max_positions, args.rope)
         tied = args.tie_word_embeddings
         self.lm_head = None if tied else nn.Linear(args.hidden_size, args.vocab_size, bias=False)

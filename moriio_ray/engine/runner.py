@@ -24,9 +24,15 @@ class ModelRunner:
     """Runs the model for one step; owns no scheduling state."""
 
     def __init__(
-        self, model: CausalLM, kv_cache: KVCache, device: torch.device, graphs: DecodeGraphs | None = None
+        self,
+        model: CausalLM,
+        kv_cache: KVCache,
+        device: torch.device,
+        graphs: DecodeGraphs | None = None,
+        with_logits: bool = True,
     ) -> None:
         self.model = model
+        self.with_logits = with_logits  # False on tensor-parallel ranks other than 0: they never sample
         self.kv_cache = kv_cache
         self.device = device
         self.block_size = kv_cache.layout.block_size
@@ -76,7 +82,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: Batch, layer_hook: Callable[[int], None] | None = None) -> torch.Tensor:
-        """Logits [B, vocab] (float32) for the next token of each sequence in the batch."""
+        """Logits [B, vocab] (float32) for the next token of each sequence in the batch (without
+        ``with_logits``: whatever the forward pass left, for a rank that only keeps its KV)."""
         if not batch.is_prefill and self.graphs is not None:
             logits = self.graphs.run(batch.seqs)
             if logits is not None:
@@ -87,6 +94,8 @@ class ModelRunner:
             ids, positions, meta = self.prepare_decode(batch.seqs)
             layer_hook = None  # the hook reports prefill KV only
         hidden = self.model(ids, positions, self.kv_cache.layers, meta, layer_hook)
+        if not self.with_logits:
+            return hidden
         if batch.is_prefill:
             last = self._tensor(np.cumsum(meta.seq_lens) - 1)
             hidden = hidden[last]

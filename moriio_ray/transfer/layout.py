@@ -14,15 +14,21 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "u
 
 
 class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
-    """A paged KV cache's geometry. One segment is one block of K (or V) of one layer."""
+    """A paged KV cache's geometry. One segment is one block of K (or V) of one layer.
+
+    A tensor-parallel rank's cache holds ``num_kv_heads`` of the model's ``total_kv_heads``,
+    starting at head ``kv_head_start`` (``heads``); an unsharded cache holds them all.
+    """
 
     num_layers: int
     num_blocks: int
     block_size: int
-    num_kv_heads: int
+    num_kv_heads: int  # heads this cache holds
     head_dim: int
     dtype: str = "bfloat16"
     order: str = LAYER_MAJOR
+    kv_head_start: int = 0  # the model's index of this cache's first KV head
+    total_kv_heads: int = 0  # the model's KV heads; 0: num_kv_heads (an unsharded cache)
 
     def __post_init__(self) -> None:
         if self.order not in (LAYER_MAJOR, BLOCK_MAJOR):
@@ -32,6 +38,26 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
         for name in ("num_layers", "num_blocks", "block_size", "num_kv_heads", "head_dim"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: {getattr(self, name)!r} must be >= 1")
+        if self.kv_head_start < 0 or self.heads.stop > self.model_kv_heads:
+            raise ConfigError(
+                f"kv_head_start: heads {self.heads.start}..{self.heads.stop - 1} do not fit in the "
+                f"model's {self.model_kv_heads} KV heads"
+            )
+
+    @property
+    def model_kv_heads(self) -> int:
+        """The model's KV heads (all ranks together)."""
+        return self.total_kv_heads or self.num_kv_heads
+
+    @property
+    def heads(self) -> range:
+        """The model's KV heads this cache holds."""
+        return range(self.kv_head_start, self.kv_head_start + self.num_kv_heads)
+
+    @property
+    def head_bytes(self) -> int:
+        """One head of one token of K (or V)."""
+        return self.head_dim * self.elem_bytes
 
     @property
     def elem_bytes(self) -> int:

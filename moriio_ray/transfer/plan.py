@@ -1,4 +1,11 @@
-"""Transfer plans: block ids on both sides -> one batch of coalesced (offset, offset, size) segments."""
+"""Transfer plans: block ids on both sides -> one batch of coalesced (offset, offset, size) segments.
+
+Between tensor-parallel engines each cache holds a range of the model's KV heads (``KVLayout.heads``).
+A plan moves the heads both caches hold (their intersection): with equal ranges (P and D of one TP
+size, rank for rank) that is whole segments, coalesced into runs; otherwise, inside each block
+(``[block_size][heads][head_dim]``), one token's sub-range of heads is one segment. ``rank_pairs``
+says which (local rank, remote rank) pairs share heads: one plan, and one batched transfer, each.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +17,7 @@ import numpy as np
 from moriio_ray.errors import ConfigError
 from moriio_ray.transfer.layout import LAYER_MAJOR, KVLayout
 
-_MUST_MATCH = ("num_layers", "block_size", "num_kv_heads", "head_dim", "dtype")
+_MUST_MATCH = ("num_layers", "block_size", "head_dim", "dtype")
 
 
 class TransferPlan(msgspec.Struct, frozen=True):
@@ -35,6 +42,33 @@ def check_compatible(local: KVLayout, remote: KVLayout) -> None:
         a, b = getattr(local, name), getattr(remote, name)
         if a != b:
             raise ConfigError(f"layout.{name}: local {a!r} differs from remote {b!r}; the engines must agree")
+    if local.model_kv_heads != remote.model_kv_heads:
+        name = "total_kv_heads" if local.total_kv_heads or remote.total_kv_heads else "num_kv_heads"
+        raise ConfigError(
+            f"layout.{name}: local {local.model_kv_heads!r} differs from remote {remote.model_kv_heads!r}; "
+            "the engines must agree"
+        )
+
+
+def shared_heads(local: KVLayout, remote: KVLayout) -> range:
+    """The model's KV heads that both caches hold (empty if none)."""
+    a, b = local.heads, remote.heads
+    start = max(a.start, b.start)
+    return range(start, max(start, min(a.stop, b.stop)))
+
+
+def rank_pairs(local_ranks: Sequence[KVLayout], remote_ranks: Sequence[KVLayout]) -> list[tuple[int, int]]:
+    """Every (local rank, remote rank) whose caches share KV heads, local rank first.
+
+    Between P with TP = p and D with TP = d, each D rank pairs with the P ranks that hold its heads:
+    with p == d that is rank r with rank r only.
+    """
+    return [
+        (i, j)
+        for i, lay in enumerate(local_ranks)
+        for j, rem in enumerate(remote_ranks)
+        if len(shared_heads(lay, rem)) > 0
+    ]
 
 
 def coalesce(lo: np.ndarray, ro: np.ndarray, sz: np.ndarray) -> TransferPlan:
@@ -57,7 +91,8 @@ def plan_blocks(
     remote: KVLayout,
     layers: range | None = None,
 ) -> TransferPlan:
-    """Segments moving ``remote_blocks[i]`` <-> ``local_blocks[i]`` for the given layers (all by default)."""
+    """Segments moving ``remote_blocks[i]`` <-> ``local_blocks[i]`` for the given layers (all by
+    default), for the KV heads both caches hold; ConfigError if they share none."""
     check_compatible(local, remote)
     lb = np.asarray(local_blocks, dtype=np.int64).reshape(-1)
     rb = np.asarray(remote_blocks, dtype=np.int64).reshape(-1)
@@ -78,5 +113,30 @@ def plan_blocks(
     lyr, kvs, idx = L.reshape(-1), K.reshape(-1), B.reshape(-1)
     lo = local.segment_offsets(lyr, kvs, lb[idx])
     ro = remote.segment_offsets(lyr, kvs, rb[idx])
-    sz = np.full(lo.size, local.segment_bytes, dtype=np.int64)
-    return coalesce(lo, ro, sz)
+    if local.heads == remote.heads:  # the same heads: whole segments, coalesced into runs
+        sz = np.full(lo.size, local.segment_bytes, dtype=np.int64)
+        return coalesce(lo, ro, sz)
+    heads = shared_heads(local, remote)
+    if not heads:
+        raise ConfigError(
+            f"layout.kv_head_start: local heads {_span(local.heads)} and remote heads "
+            f"{_span(remote.heads)} share none; pair only ranks that hold common heads (rank_pairs)"
+        )
+    return coalesce(*_head_slices(lo, ro, local, remote, heads))
+
+
+def _head_slices(
+    lo: np.ndarray, ro: np.ndarray, local: KVLayout, remote: KVLayout, heads: range
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per segment [block_size][heads][dim]: one (local, remote, size) per token for ``heads``."""
+    hb = local.head_bytes
+    token = np.arange(local.block_size, dtype=np.int64)  # [bs]
+    local_rows = (token * local.num_kv_heads + heads.start - local.kv_head_start) * hb
+    remote_rows = (token * remote.num_kv_heads + heads.start - remote.kv_head_start) * hb
+    l_off = (lo[:, None] + local_rows[None, :]).reshape(-1)  # [segments * bs], local order kept
+    r_off = (ro[:, None] + remote_rows[None, :]).reshape(-1)
+    return l_off, r_off, np.full(l_off.size, len(heads) * hb, dtype=np.int64)
+
+
+def _span(heads: range) -> str:
+    return f"{heads.start}..{heads.stop - 1}"

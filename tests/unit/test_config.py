@@ -116,7 +116,8 @@ def test_bad_value_names_field_value_and_allowed(field: str, value: Any, message
         ),
         (
             {"pool": {"decode": {"gpus": 1}}},
-            "pool.decode.gpus: unknown field; allowed: replicas, num_gpus, num_cpus, resources, labels",
+            "pool.decode.gpus: unknown field; allowed: replicas, tensor_parallel_size, num_gpus, "
+            "num_cpus, resources, labels",
         ),
     ],
 )

@@ -1,0 +1,108 @@
+"""The one message per step that rank 0 of a tensor-parallel engine broadcasts to the other ranks.
+
+Rank 0 schedules; every rank runs the same forward pass on its shard. Before each forward rank 0
+broadcasts the batch (the tokens fed, each sequence's cached length and block table, and for a
+prefill the request ids, which the layer hook of a WRITE-mode push needs), over the gloo control
+group, in one fixed-size buffer: one collective per step (two only for a message past
+``CAPACITY_BYTES``, a long prefill), and none per layer. The other ranks rebuild the batch and run it.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+import numpy as np
+import torch
+
+from moriio_ray.engine.sampling import SamplingParams
+from moriio_ray.engine.scheduler import Batch
+from moriio_ray.engine.sequence import Sequence
+from moriio_ray.engine.tp import TPGroup
+
+CAPACITY_BYTES = 16 << 10
+_HEADER_BYTES = 8
+_PARAMS = SamplingParams()  # followers never sample: any params do
+
+
+class Kind(enum.IntEnum):
+    STEP = 1  # run this batch
+    CAPTURE = 2  # capture every decode CUDA graph now
+    STOP = 3  # the engine is closing: leave the loop
+
+
+class StepMsg(msgspec.Struct, array_like=True):
+    kind: Kind
+    is_prefill: bool = False
+    request_ids: list[str] = msgspec.field(default_factory=list)  # prefill only
+    tokens: list[list[int]] = msgspec.field(default_factory=list)  # prefill: all; decode: the last
+    num_cached: list[int] = msgspec.field(default_factory=list)
+    tables: list[list[int]] = msgspec.field(default_factory=list)
+
+
+def encode_batch(batch: Batch) -> StepMsg:
+    seqs = batch.seqs
+    if batch.is_prefill:
+        tokens = [seq.token_ids() for seq in seqs]
+        ids = [seq.request_id for seq in seqs]
+    else:
+        tokens = [[seq.output_ids[-1] if seq.output_ids else seq.prompt_ids[-1]] for seq in seqs]
+        ids = []
+    return StepMsg(
+        Kind.STEP,
+        batch.is_prefill,
+        ids,
+        tokens,
+        [seq.num_cached for seq in seqs],
+        [list(seq.block_table) for seq in seqs],
+    )
+
+
+def decode_batch(msg: StepMsg) -> Batch:
+    """The batch as the runner needs it (sequences carry only what the forward pass reads)."""
+    names = msg.request_ids or [""] * len(msg.tokens)
+    seqs = []
+    for rid, tokens, cached, table in zip(names, msg.tokens, msg.num_cached, msg.tables, strict=True):
+        seq = Sequence(rid, tokens, _PARAMS, 0)
+        seq.num_cached, seq.block_table = cached, table
+        seqs.append(seq)
+    return Batch(is_prefill=msg.is_prefill, seqs=seqs)
+
+
+class StepChannel:
+    """Broadcasts from rank 0 (``send``) to every other rank (``recv``) over the control group."""
+
+    def __init__(self, tp: TPGroup) -> None:
+        self.group = tp.control_group
+        self._buf = torch.zeros(CAPACITY_BYTES, dtype=torch.uint8)
+        self._view = self._buf.numpy()
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(StepMsg)
+        self.num_sent = 0
+
+    def send(self, msg: StepMsg) -> None:
+        import torch.distributed as dist
+
+        payload = self._encoder.encode(msg)
+        n = len(payload)
+        first = min(n, CAPACITY_BYTES - _HEADER_BYTES)
+        self._view[:_HEADER_BYTES] = np.frombuffer(n.to_bytes(_HEADER_BYTES, "little"), dtype=np.uint8)
+        self._view[_HEADER_BYTES : _HEADER_BYTES + first] = np.frombuffer(payload, np.uint8, first)
+        dist.broadcast(self._buf, src=0, group=self.group)
+        if n > first:
+            rest = torch.frombuffer(bytearray(payload[first:]), dtype=torch.uint8)
+            dist.broadcast(rest, src=0, group=self.group)
+        self.num_sent += 1
+
+    def recv(self) -> StepMsg:
+        import torch.distributed as dist
+
+        dist.broadcast(self._buf, src=0, group=self.group)
+        n = int.from_bytes(self._view[:_HEADER_BYTES].tobytes(), "little")
+        first = min(n, CAPACITY_BYTES - _HEADER_BYTES)
+        payload = self._view[_HEADER_BYTES : _HEADER_BYTES + first].tobytes()
+        if n > first:
+            rest = torch.empty(n - first, dtype=torch.uint8)
+            dist.broadcast(rest, src=0, group=self.group)
+            payload += rest.numpy().tobytes()
+        return self._decoder.decode(payload)
