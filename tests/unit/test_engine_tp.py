@@ -13,7 +13,6 @@ from tp_procs import engine_config, model_config, reference, run_ranks
 
 from moriio_ray.config import parse_pipeline_config
 from moriio_ray.engine.engine import Engine
-from moriio_ray.engine.loader import load_model
 from moriio_ray.engine.presets import get_preset
 from moriio_ray.engine.sampling import SamplingParams
 from moriio_ray.engine.tp import TPGroup, check_tp_size, shard_args
@@ -43,33 +42,6 @@ def test_tp2_engine_gives_the_tp1_greedy_tokens_and_holds_its_kv_shard() -> None
         # another order), in the same blocks: nothing of the other rank's heads is in it
         assert cache.abs().sum() > 0
         torch.testing.assert_close(cache, shard, rtol=1e-4, atol=1e-5)
-
-
-def test_shards_concatenate_to_the_full_preset_weights() -> None:
-    """Every rank's preset slice is a slice of the size-1 weights (the same seeded draw)."""
-    cfg = model_config()
-    full = dict(load_model(cfg, torch.device("cpu"), torch.float32, 64).named_parameters())
-    ranks = [
-        dict(load_model(cfg, torch.device("cpu"), torch.float32, 64, TPGroup(r, 2)).named_parameters())
-        for r in range(2)
-    ]
-    args = get_preset("tiny").args
-    q, kv, inter = args.q_size // 2, args.kv_size // 2, args.intermediate_size // 2
-    name = "model.layers.1.self_attn.qkv_proj.weight"
-    parts = [ranks[r][name] for r in range(2)]
-    want_q = torch.cat([p[:q] for p in parts])
-    want_k = torch.cat([p[q : q + kv] for p in parts])
-    assert torch.equal(want_q, full[name][: args.q_size])
-    assert torch.equal(want_k, full[name][args.q_size : args.q_size + args.kv_size])
-    name = "model.layers.0.mlp.gate_up_proj.weight"
-    gate = torch.cat([ranks[r][name][:inter] for r in range(2)])
-    assert torch.equal(gate, full[name][: args.intermediate_size])
-    name = "model.layers.0.mlp.down_proj.weight"
-    assert torch.equal(torch.cat([ranks[r][name] for r in range(2)], dim=1), full[name])
-    name = "model.layers.0.self_attn.o_proj.weight"
-    assert torch.equal(torch.cat([ranks[r][name] for r in range(2)], dim=1), full[name])
-    for name in ("model.embed_tokens.weight", "lm_head.weight"):  # replicated
-        assert torch.equal(ranks[1][name], full[name])
 
 
 def test_tp_sizes_that_do_not_shard_the_model_are_config_errors() -> None:
