@@ -122,7 +122,13 @@ class Engine:
             )
 
     def _new_seq(self, request_id: str, prompt: list[int], params: SamplingParams) -> Sequence:
-        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        # The caller's make_request draws the seed of a sampled request (P and D must share it);
+        # only an engine driven directly draws one here, and greedy decoding needs none.
+        seed = (
+            params.seed
+            if params.seed is not None
+            else (secrets.randbits(63) if params.temperature > 0 else 0)
+        )
         seq = Sequence(request_id, list(prompt), params, seed, prefill_only=self.role == "prefill")
         self._seqs[request_id] = seq
         return seq

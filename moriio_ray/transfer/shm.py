@@ -72,10 +72,6 @@ class ShmAgent(TransferAgent):
         self._owned: list[Segment] = []
         self._shm_peers: dict[str, _Peer] = {}
         self._workers: Workers | None = None
-        # test hook: the first async copy that has moved hold_after_bytes parks until release
-        self.hold_after_bytes: int | None = None
-        self.held = threading.Event()
-        self.release = threading.Event()
         # unlink this agent's segments at exit even if close() is never called
         self._finalizer = weakref.finalize(self, _retire_all, self._owned)
 
@@ -129,7 +125,6 @@ class ShmAgent(TransferAgent):
             transfer.set_error(reason)
 
     def _close(self) -> None:
-        self.release.set()  # a copy parked by the test hook must not outlive the agent
         self._finalizer()  # retire (state 0, unlink) every owned segment
         if self._workers is not None:
             self._workers.close()
@@ -181,22 +176,9 @@ class ShmAgent(TransferAgent):
                 self._workers = Workers(_NUM_WORKERS, f"shm-copy-{self.key}")
             return self._workers
 
-    def hold_after(self, num_bytes: int) -> tuple[threading.Event, threading.Event]:
-        """Test hook: the next copy of 1 MiB or more parks once ``num_bytes`` have moved.
-
-        Returns (held, release): ``held`` is set when it parks, setting ``release`` lets it go on.
-        """
-        self.held.clear()
-        self.release.clear()
-        self.hold_after_bytes = num_bytes
-        return self.held, self.release
-
-    def _hold(self, moved_bytes: int) -> None:
-        limit = self.hold_after_bytes
-        if limit is not None and moved_bytes >= limit:
-            self.hold_after_bytes = None
-            self.held.set()
-            self.release.wait(_HOLD_MAX_S)
+    def _on_copied(self, moved_bytes: int) -> None:
+        """Called between the chunks of an asynchronous copy (a no-op here; a subclass may observe
+        or pace it)."""
 
 
 def _remote_view(
@@ -285,7 +267,7 @@ class _Copy:
                 dst[d : d + n] = src[s : s + n]
             moved += int(self.sizes[sl].sum())
             if hold:
-                self.agent._hold(moved)
+                self.agent._on_copied(moved)
             # between chunks the owner's control word (a memory read) stops a copy early
             self.seg.check_live(key, self.epoch, check_pid=False)
         # at the end the process too: bytes copied after the owner left must not count as success

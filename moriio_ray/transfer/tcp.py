@@ -13,7 +13,6 @@ stalls past ``config.timeout_s`` gives ``TransferTimeout`` and its connection is
 from __future__ import annotations
 
 import socket
-import threading
 import time
 from typing import Any, ClassVar
 
@@ -48,14 +47,16 @@ class TcpAgent(TransferAgent):
 
     name: ClassVar[str] = "tcp"
     memory_kinds: ClassVar[frozenset[str]] = _memory_kinds()
+    server_class: ClassVar[type[TcpServer]] = TcpServer  # the server side of this agent's regions
 
     def __init__(self, config: Any, key: str, *, epoch: int = 1, token: bytes | None = None) -> None:
         super().__init__(config, key, epoch=epoch, token=token)
         self._io: dict[int, Region] = {}
         self._pools: dict[str, PeerPool] = {}
-        self.stage_cpu_memory = False  # test hook: send CPU regions through the GPU staging path
         try:
-            self._server = TcpServer(key, epoch, self.token, config.tcp, config.timeout_s, self._io.get)
+            self._server = self.server_class(
+                key, epoch, self.token, config.tcp, config.timeout_s, self._io.get
+            )
         except OSError as exc:
             raise ConfigError(
                 f"transfer.tcp.port: cannot listen on {config.tcp.bind_host}:{config.tcp.port}: {exc}; "
@@ -63,26 +64,13 @@ class TcpAgent(TransferAgent):
             ) from None
         self._workers = Workers(_NUM_WORKERS, f"tcp-client-{key}")
 
-    def hold_after(self, num_bytes: int) -> tuple[threading.Event, threading.Event]:
-        """Test hook: the next request this agent's server serves parks once ``num_bytes`` have moved.
-
-        Returns (held, release): ``held`` is set when it parks, setting ``release`` lets it go on.
-        """
-        server = self._server
-        server.held.clear()
-        server.release.clear()
-        server.hold_after_bytes = num_bytes
-        return server.held, server.release
-
     # -- backend hooks --------------------------------------------------------------------------
 
     def _engine_backend_data(self) -> bytes:
         return msgspec.msgpack.encode(_Address(self._host(), self._server.port))
 
     def _register(self, mem_id: int, tensor: torch.Tensor) -> bytes:
-        self._io[mem_id] = make_region(
-            tensor, self.config.tcp.staging_bytes, force_staging=self.stage_cpu_memory
-        )
+        self._io[mem_id] = make_region(tensor, self.config.tcp.staging_bytes)
         return b""
 
     def _deregister(self, mem_id: int) -> None:

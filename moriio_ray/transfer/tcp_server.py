@@ -40,7 +40,6 @@ from moriio_ray.transfer.tcp_wire import (
 log = logging.getLogger(__name__)
 
 _JOIN_S = 2.0  # how long close() waits for each thread
-_HOLD_MAX_S = 60.0  # a test hold never parks a thread longer than this
 _MAX_TOKEN_BYTES = 4096
 
 
@@ -76,10 +75,6 @@ class TcpServer:
         self._closing = threading.Event()
         self._lock = threading.Lock()
         self._conns: dict[socket.socket, threading.Thread] = {}
-        # test hook: the first request that has sent or received hold_after_bytes parks until release
-        self.hold_after_bytes: int | None = None
-        self.held = threading.Event()
-        self.release = threading.Event()
         self._listener = socket.create_server((config.bind_host, config.port), backlog=128)
         tune(self._listener, config.socket_buffer_bytes)  # accepted connections inherit the sizes
         self.port: int = self._listener.getsockname()[1]
@@ -91,7 +86,6 @@ class TcpServer:
     def close(self) -> None:
         """Stop accepting, drop every connection (clients see EOF) and join the threads."""
         self._closing.set()
-        self.release.set()
         _shutdown(self._listener)
         self._listener.close()
         with self._lock:
@@ -209,13 +203,12 @@ class TcpServer:
     def _tick(self, moved_bytes: int) -> None:
         if self._closing.is_set():
             raise _closed("server closing")
-        limit = self.hold_after_bytes
-        if limit is not None and moved_bytes >= limit:
-            self.hold_after_bytes = None
-            self.held.set()
-            self.release.wait(_HOLD_MAX_S)
-            if self._closing.is_set():
-                raise _closed("server closed while held")
+        self._on_moved(moved_bytes)
+        if self._closing.is_set():
+            raise _closed("server closed mid-request")
+
+    def _on_moved(self, moved_bytes: int) -> None:
+        """Called as a request's data moves (a no-op here; a subclass may observe or pace it)."""
 
 
 def _closed(why: str) -> OSError:

@@ -39,11 +39,11 @@ from moriio_ray.transfer import (
     MemoryDesc,
     TransferAgent,
     TransferConfig,
-    create_agent,
     decode_engine_desc,
     decode_memory_desc,
     encode_desc,
 )
+from tests.contract.hooks import make_test_agent
 
 _START_TIMEOUT_S = 60.0  # a spawn child imports torch before it answers
 _CALL_TIMEOUT_S = 30.0
@@ -154,6 +154,7 @@ class Harness:
     no_peer_process: ClassVar[str | None] = None
     hold_side: ClassVar[str | None] = None  # whose hook parks a transfer: "peer", "client" or None
     config_overrides: ClassVar[dict[str, Any]] = {}
+    staged: ClassVar[bool] = False  # tcp: CPU regions through the GPU staging path (tests/contract/hooks.py)
 
     def __init__(self) -> None:
         self._agents: list[TransferAgent] = []
@@ -173,7 +174,7 @@ class Harness:
         self, key: str, epoch: int = 1, token: bytes | None = None, **config: Any
     ) -> TransferAgent:
         """An agent in this process, closed when the harness closes."""
-        agent = create_agent(self.config(**config), key, epoch=epoch, token=token)
+        agent = make_test_agent(self.config(**config), key, epoch=epoch, token=token, staged=self.staged)
         self._agents.append(agent)
         return agent
 
@@ -236,7 +237,7 @@ def _peer_main(
     """The child: one agent, one region, then commands from the pipe until ``stop``."""
     try:
         config = TransferConfig(backend=backend, **kwargs["config"])
-        agent = create_agent(config, key, epoch=kwargs["epoch"], token=kwargs["token"])
+        agent = make_test_agent(config, key, epoch=kwargs["epoch"], token=kwargs["token"])
         tensor = agent.allocate((num_bytes,), torch.uint8, device)
         tensor.copy_(torch.from_numpy(pattern(kwargs["seed"], num_bytes)))
         mem = agent.register(tensor)

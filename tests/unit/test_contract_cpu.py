@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -17,7 +16,6 @@ import torch
 
 from moriio_ray.config import TcpConfig
 from moriio_ray.errors import BackendUnavailable, ConfigError
-from moriio_ray.transfer import TransferAgent
 from moriio_ray.transfer.shm import sweep_stale_segments
 from moriio_ray.transfer.shm_segment import SHM_DIR
 from tests.contract.harness import Harness, pattern
@@ -42,12 +40,7 @@ class TcpStagedHarness(TcpHarness):
     Default 64 MiB windows: a whole BIG transfer is one window (the test with 1 MiB windows is below).
     """
 
-    def make_agent(
-        self, key: str, epoch: int = 1, token: bytes | None = None, **config: Any
-    ) -> TransferAgent:
-        agent = super().make_agent(key, epoch, token, **config)
-        agent.stage_cpu_memory = True  # type: ignore[attr-defined]
-        return agent
+    staged = True
 
 
 class TcpCudaHarness(TcpHarness):
@@ -87,10 +80,9 @@ def test_tcp_staged_path_moves_the_same_bytes(uniform: bool) -> None:
 
     Equal aligned segments take the one-gather path; random sizes are split across windows.
     """
-    with TcpHarness() as h:
+    with TcpStagedHarness() as h:
         a = h.make_agent("decode-0", tcp=TcpConfig(staging_bytes=MiB))
         b = h.make_agent("prefill-0", tcp=TcpConfig(staging_bytes=MiB))
-        a.stage_cpu_memory = b.stage_cpu_memory = True  # type: ignore[attr-defined]
         ta, ma = h.region(a, 4 * MiB)
         tb, mb = h.region(b, 4 * MiB, seed=1)
         a.connect(b.engine_desc())
