@@ -23,7 +23,8 @@ from moriio_ray.engine.loader import load_model, model_args, resolve_max_model_l
 from moriio_ray.engine.model import CausalLM
 from moriio_ray.engine.runner import ModelRunner
 from moriio_ray.engine.sequence import blocks_for
-from moriio_ray.engine.tp import SINGLE, TPGroup, check_tp_size, shard_range
+from moriio_ray.engine.tp import SINGLE, TPGroup
+from moriio_ray.engine.tp_size import check_tp_size, shard_range
 from moriio_ray.engine.tp_steps import Kind, StepChannel, StepMsg, decode_batch
 from moriio_ray.errors import InvalidRequest
 

@@ -11,26 +11,30 @@ Megatron-style sharding of the decoder over ``size`` ranks:
 A sharded model is built from ``shard_args`` (the per-rank head and row counts), so the attention,
 the MLP and the KV cache code are the same at every size; at size 1 nothing changes and no
 collective runs. Collectives use NCCL on CUDA and gloo on the CPU; the per-step control message
-(``tp_steps``) always goes over a gloo group.
+(``tp_steps``) always goes over a gloo group. A collective that fails (a peer rank died) calls the
+group's ``on_broken`` before raising: a worker ends its process there, so that the whole engine is
+seen dead at once (its callers and the coordinator treat it as any dead worker).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from moriio_ray.engine.arch import ModelArgs
-from moriio_ray.errors import ConfigError
+from moriio_ray.engine.tp_size import check_tp_size
 
 # An idle follower waits for the next step message as long as the engine lives; a dead peer is
 # noticed through its closed connection, never through this timeout.
 CONTROL_TIMEOUT = datetime.timedelta(days=3650)
 DEVICE_TIMEOUT = datetime.timedelta(minutes=10)
+T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +45,7 @@ class TPGroup:
     size: int = 1
     device_group: Any = None  # torch.distributed ProcessGroup for activations (NCCL or gloo)
     control_group: Any = None  # gloo ProcessGroup for the per-step messages
+    on_broken: Callable[[BaseException], None] | None = None  # a collective failed: the group is gone
 
     @property
     def is_leader(self) -> bool:
@@ -48,30 +53,6 @@ class TPGroup:
 
 
 SINGLE = TPGroup()
-
-
-def check_tp_size(args: ModelArgs, size: object, field: str = "tensor_parallel_size") -> int:
-    """``size`` if it shards ``args`` evenly; else ConfigError naming ``field`` and what divides."""
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise ConfigError(f"{field}: {size!r} must be a positive integer")
-    counts = {
-        "attention heads": args.num_heads,
-        "KV heads": args.num_kv_heads,
-        "intermediate size": args.intermediate_size,
-    }
-    for what, count in counts.items():
-        if count % size:
-            ok = [n for n in range(1, args.num_kv_heads + 1) if _divides_all(n, counts.values())]
-            raise ConfigError(
-                f"{field}: {size} does not divide the model's {count} {what} "
-                f"({args.num_heads} attention heads, {args.num_kv_heads} KV heads); "
-                f"use one of {', '.join(map(str, ok))}"
-            )
-    return size
-
-
-def _divides_all(n: int, counts: Any) -> bool:
-    return all(c % n == 0 for c in counts)
 
 
 def shard_args(args: ModelArgs, size: int) -> ModelArgs:
@@ -87,12 +68,6 @@ def shard_args(args: ModelArgs, size: int) -> ModelArgs:
     )
 
 
-def shard_range(total: int, rank: int, size: int) -> range:
-    """The contiguous share of ``total`` items (heads, rows) that ``rank`` of ``size`` holds."""
-    per = total // size
-    return range(rank * per, (rank + 1) * per)
-
-
 class RowParallelLinear(nn.Linear):
     """``y = sum over ranks (x_r @ W_r^T) + b``: ``weight`` holds this rank's input columns, ``bias``
     is whole and added once after the all-reduce."""
@@ -105,8 +80,18 @@ class RowParallelLinear(nn.Linear):
         import torch.distributed as dist
 
         y = F.linear(x, self.weight)  # [T, out]: this rank's partial sum
-        dist.all_reduce(y, group=self.tp.device_group)
+        collective(self.tp, dist.all_reduce, y, group=self.tp.device_group)
         return y if self.bias is None else y + self.bias
+
+
+def collective(tp: TPGroup, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """Run one collective of the group; if it fails, tell ``tp.on_broken`` first, then raise."""
+    try:
+        return fn(*args, **kwargs)
+    except Exception as exc:
+        if tp.on_broken is not None:
+            tp.on_broken(exc)
+        raise
 
 
 def row_linear(in_features: int, out_features: int, bias: bool, tp: TPGroup = SINGLE) -> nn.Linear:
@@ -120,7 +105,13 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def init_group(rank: int, size: int, store: Any, device: torch.device) -> TPGroup:
+def init_group(
+    rank: int,
+    size: int,
+    store: Any,
+    device: torch.device,
+    on_broken: Callable[[BaseException], None] | None = None,
+) -> TPGroup:
     """Join the engine's process group through ``store`` (a torch.distributed Store that every rank
     reaches; rank 0's worker hosts it on an ephemeral port, so no port is ever guessed)."""
     import torch.distributed as dist
@@ -132,7 +123,7 @@ def init_group(rank: int, size: int, store: Any, device: torch.device) -> TPGrou
     dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
     device_group = dist.group.WORLD
     control = device_group if backend == "gloo" else dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
-    return TPGroup(rank=rank, size=size, device_group=device_group, control_group=control)
+    return TPGroup(rank, size, device_group, control, on_broken)
 
 
 def destroy_group(tp: TPGroup) -> None:

@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 
 from moriio_ray.engine.arch import ModelArgs
-from moriio_ray.engine.tp import TPGroup, shard_range
+from moriio_ray.engine.tp import TPGroup
+from moriio_ray.engine.tp_size import shard_range
 
 Cut = tuple[int, list[slice]]  # (dimension, slices of the full tensor, concatenated in order)
 

@@ -18,7 +18,7 @@ import torch
 from moriio_ray.engine.sampling import SamplingParams
 from moriio_ray.engine.scheduler import Batch
 from moriio_ray.engine.sequence import Sequence
-from moriio_ray.engine.tp import TPGroup
+from moriio_ray.engine.tp import TPGroup, collective
 
 CAPACITY_BYTES = 16 << 10
 _HEADER_BYTES = 8
@@ -73,6 +73,7 @@ class StepChannel:
     """Broadcasts from rank 0 (``send``) to every other rank (``recv``) over the control group."""
 
     def __init__(self, tp: TPGroup) -> None:
+        self.tp = tp
         self.group = tp.control_group
         self._buf = torch.zeros(CAPACITY_BYTES, dtype=torch.uint8)
         self._view = self._buf.numpy()
@@ -88,21 +89,21 @@ class StepChannel:
         first = min(n, CAPACITY_BYTES - _HEADER_BYTES)
         self._view[:_HEADER_BYTES] = np.frombuffer(n.to_bytes(_HEADER_BYTES, "little"), dtype=np.uint8)
         self._view[_HEADER_BYTES : _HEADER_BYTES + first] = np.frombuffer(payload, np.uint8, first)
-        dist.broadcast(self._buf, src=0, group=self.group)
+        collective(self.tp, dist.broadcast, self._buf, src=0, group=self.group)
         if n > first:
             rest = torch.frombuffer(bytearray(payload[first:]), dtype=torch.uint8)
-            dist.broadcast(rest, src=0, group=self.group)
+            collective(self.tp, dist.broadcast, rest, src=0, group=self.group)
         self.num_sent += 1
 
     def recv(self) -> StepMsg:
         import torch.distributed as dist
 
-        dist.broadcast(self._buf, src=0, group=self.group)
+        collective(self.tp, dist.broadcast, self._buf, src=0, group=self.group)
         n = int.from_bytes(self._view[:_HEADER_BYTES].tobytes(), "little")
         first = min(n, CAPACITY_BYTES - _HEADER_BYTES)
         payload = self._view[_HEADER_BYTES : _HEADER_BYTES + first].tobytes()
         if n > first:
             rest = torch.empty(n - first, dtype=torch.uint8)
-            dist.broadcast(rest, src=0, group=self.group)
+            collective(self.tp, dist.broadcast, rest, src=0, group=self.group)
             payload += rest.numpy().tobytes()
         return self._decoder.decode(payload)

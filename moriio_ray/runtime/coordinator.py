@@ -4,7 +4,9 @@ A named async actor (create-or-get) in namespace ``moriio_ray``. It creates the 
 placement group (one bundle per engine), ``ray.put``s each worker's ``WorkerInfo`` so that it owns
 the descriptors, publishes a versioned membership that routers and workers long-poll, pings every
 worker, and on a death bumps that worker's epoch, tells every peer (which fails in-flight transfers
-with PeerLost) and starts a replacement in the same bundle.
+with PeerLost) and starts a replacement in the same bundle. A tensor-parallel engine is one member
+whose bundle holds all its ranks' actors (``engine_group``): they are started, pinged, killed and
+replaced together.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import asyncio
 import logging
 import secrets
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -23,6 +25,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from moriio_ray import env
 from moriio_ray.config import PipelineConfig, RoleConfig
 from moriio_ray.errors import CapacityError, DeadlineExceeded
+from moriio_ray.runtime.engine_group import bundle, check_node_fit, check_tp_sizes, kill_all, start_ranks
 from moriio_ray.runtime.messages import Member, Membership, Role, WorkerInfo
 
 log = logging.getLogger(__name__)
@@ -46,6 +49,7 @@ class Slot:
     member: Member | None = None
     misses: int = 0
     starting: bool = False
+    ranks: list[Any] = field(default_factory=list)  # tensor parallelism: the actors of ranks 1..
 
 
 class Coordinator:
@@ -77,7 +81,9 @@ class Coordinator:
     async def _start(self) -> None:
         self._changed = asyncio.Event()
         roles = self._role_slots()
-        bundles = [_bundle(getattr(self.config.pool, s.role)) for s in roles]
+        check_tp_sizes(self.config)
+        check_node_fit(self.config.pool, ray.nodes())
+        bundles = [bundle(getattr(self.config.pool, s.role)) for s in roles]
         labels = [dict(getattr(self.config.pool, s.role).labels) for s in roles]
         kwargs: dict[str, Any] = {}
         if any(labels):
@@ -127,24 +133,29 @@ class Coordinator:
         from moriio_ray.worker.actor import make_actor_class  # the worker's code, not the coordinator's
 
         me = ray.get_runtime_context().current_actor
+        ranks = start_ranks(self.config, slot.role, key, slot.epoch, self.token, options)
         actor = (
             make_actor_class()
             .options(**options)
-            .remote(self.config, slot.role, key, epoch=slot.epoch, token=self.token, coordinator=me)
+            .remote(
+                self.config, slot.role, key, epoch=slot.epoch, token=self.token, coordinator=me, ranks=ranks
+            )
         )
         try:
             info: WorkerInfo = await asyncio.wait_for(
                 actor.ready.remote(), self.config.runtime.worker_start_timeout_s
             )
         except asyncio.TimeoutError:
-            ray.kill(actor, no_restart=True)
+            kill_all([actor, *ranks])
             slot.starting = False
             raise DeadlineExceeded(
                 f"worker {key} was not ready within {self.config.runtime.worker_start_timeout_s} s"
             ) from None
         except BaseException:
+            kill_all([actor, *ranks])
             slot.starting = False
             raise
+        slot.ranks = ranks
         slot.member = Member(
             key=key,
             role=slot.role,
@@ -210,7 +221,9 @@ class Coordinator:
         if member is None:
             return
         try:
-            await asyncio.wait_for(member.actor.check_health.remote(), timeout_s)
+            # every rank of the engine: a dead rank fails its whole engine
+            checks = [a.check_health.remote() for a in (member.actor, *slot.ranks)]
+            await asyncio.wait_for(asyncio.gather(*checks), timeout_s)
             slot.misses = 0
             return
         except asyncio.TimeoutError:
@@ -231,7 +244,8 @@ class Coordinator:
         log.warning("worker %s epoch %d is dead (%s)", member.key, member.epoch, reason)
         self.deaths.append({"key": member.key, "epoch": member.epoch, "reason": reason, "at": time.time()})
         slot.member = None
-        ray.kill(member.actor, no_restart=True)
+        kill_all([member.actor, *slot.ranks])
+        slot.ranks = []
         for other in self._members():
             other.actor.peer_lost.remote(member.key, member.epoch)
         self._bump()
@@ -283,16 +297,11 @@ class Coordinator:
         for m in members:
             ray.kill(m.actor, no_restart=True)
         for s in self.slots:
-            s.member = None
+            kill_all(s.ranks)
+            s.member, s.ranks = None, []
         if self.pg is not None:
             remove_placement_group(self.pg)
             self.pg = None
-
-
-def _bundle(rc: RoleConfig) -> dict[str, float]:
-    bundle: dict[str, float] = {"CPU": rc.num_cpus, "GPU": rc.num_gpus, **rc.resources}
-    bundle = {k: v for k, v in bundle.items() if v > 0}
-    return bundle or {"CPU": 0.01}  # a bundle may not be empty
 
 
 def get_or_create(config: PipelineConfig, *, detached: bool) -> Any:

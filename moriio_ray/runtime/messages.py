@@ -24,8 +24,22 @@ class Role(str, enum.Enum):
     COLOCATED = "colocated"
 
 
+class RankDesc(msgspec.Struct, frozen=True, kw_only=True):
+    """One tensor-parallel rank of an engine: its agent, its KV region and which KV heads it holds
+    (``layout.heads``). Rank 0 is the worker itself."""
+
+    rank: int
+    engine_desc: EngineDesc
+    kv_mem: MemoryDesc
+    layout: KVLayout
+
+
 class WorkerInfo(msgspec.Struct, frozen=True, kw_only=True):
-    """What a worker publishes once ready (the coordinator puts it in the object store)."""
+    """What a worker publishes once ready (the coordinator puts it in the object store).
+
+    ``engine_desc``, ``kv_mem`` and ``layout`` are rank 0's; ``ranks`` lists every rank of a
+    tensor-parallel engine (rank 0 included) and is empty at TP = 1.
+    """
 
     key: str
     role: Role
@@ -36,10 +50,19 @@ class WorkerInfo(msgspec.Struct, frozen=True, kw_only=True):
     max_model_len: int
     vocab_size: int
     same_host_only: bool
+    ranks: list[RankDesc] = msgspec.field(default_factory=list)
 
     @property
     def pid(self) -> int:
         return self.engine_desc.pid
+
+    def rank_descs(self) -> list[RankDesc]:
+        """Every rank's descriptors (one entry, rank 0, at TP = 1)."""
+        if self.ranks:
+            return list(self.ranks)
+        if self.kv_mem is None:
+            raise errors.TransferError(f"peer {self.key!r} published no KV region")
+        return [RankDesc(rank=0, engine_desc=self.engine_desc, kv_mem=self.kv_mem, layout=self.layout)]
 
 
 class GenRequest(msgspec.Struct, frozen=True, kw_only=True):

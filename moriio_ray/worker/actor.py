@@ -24,6 +24,7 @@ from moriio_ray.runtime.messages import (
     Member,
     PeerRef,
     PushResult,
+    RankDesc,
     RequestOutput,
     Reservation,
     Role,
@@ -46,9 +47,13 @@ class EngineWorker:
         epoch: int = 1,
         token: bytes | None = None,
         coordinator: Any = None,
+        ranks: list[Any] | None = None,
     ) -> None:
         self.role = Role(role)
-        self.core = WorkerCore(config, self.role, key, epoch=epoch, token=token, coordinator=coordinator)
+        # ranks: the RankWorker actors of a tensor-parallel engine's ranks 1.. (this worker is rank 0)
+        self.core = WorkerCore(
+            config, self.role, key, epoch=epoch, token=token, coordinator=coordinator, ranks=ranks
+        )
         self._prefill = PrefillSide(self.core) if self.role is Role.PREFILL else None
         self._decode = DecodeSide(self.core) if self.role is Role.DECODE else None
 
@@ -58,6 +63,13 @@ class EngineWorker:
         """Start the engine loop, capture the decode CUDA graphs, and describe this worker."""
         c = self.core
         await c.loop.call(c.engine.capture_graphs)
+        ranks: list[RankDesc] = []
+        if c.group is not None:  # every rank's descriptors and KV-head range, rank 0 first
+            assert c.engine.kv_mem is not None
+            own = RankDesc(
+                rank=0, engine_desc=c.agent.engine_desc(), kv_mem=c.engine.kv_mem, layout=c.engine.layout
+            )
+            ranks = [own, *(await c.group.descs())]
         return WorkerInfo(
             key=c.key,
             role=self.role,
@@ -68,6 +80,7 @@ class EngineWorker:
             max_model_len=c.engine.max_model_len,
             vocab_size=c.engine.args.vocab_size,
             same_host_only=c.agent.same_host_only,
+            ranks=ranks,
         )
 
     async def check_health(self) -> bool:
@@ -95,6 +108,7 @@ class EngineWorker:
             "role": self.role.value,
             "epoch": c.epoch,
             "device": str(c.engine.device),
+            "tensor_parallel_size": c.engine.tp.size,
             "num_graphs": len(c.engine.graphs.graphs) if c.engine.graphs is not None else 0,
             "num_graph_replays": c.engine.graphs.num_replays if c.engine.graphs is not None else 0,
             "live_requests": len(c.table),
@@ -106,6 +120,8 @@ class EngineWorker:
     async def debug_inject_delay(self, delay_s: float) -> None:
         """Test hook: this worker's transfers report completion only ``delay_s`` after issue."""
         self.core.agent.inject_delay(delay_s)
+        if self.core.group is not None:
+            await self.core.group.inject_delay(delay_s)
 
     async def shutdown(self) -> None:
         await self.core.shutdown()

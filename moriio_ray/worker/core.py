@@ -26,6 +26,7 @@ from moriio_ray.worker.engine_loop import EngineLoop
 from moriio_ray.worker.mailbox import Mailbox
 from moriio_ray.worker.outputs import STREAM_PERIOD_S, OutputHub
 from moriio_ray.worker.peers import PeerDirectory
+from moriio_ray.worker.ranks import close_group, open_group
 from moriio_ray.worker.requests import RequestTable, WorkerRequest
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,7 @@ class WorkerCore:
         epoch: int,
         token: bytes | None,
         coordinator: Any,
+        ranks: list[Any] | None = None,
     ) -> None:
         self.config = config
         self.role = role
@@ -59,6 +61,8 @@ class WorkerCore:
             if swept:
                 log.warning("removed %d shared-memory segments of dead workers", len(swept))
         self.agent = create_agent(config.transfer, key, epoch=epoch, token=token)
+        # tensor parallelism: this worker is rank 0 of a group; ``ranks`` are the others' actors
+        self.group, tp = open_group(config, role, ranks)
         self.engine = Engine(
             config.model,
             config.engine,
@@ -67,10 +71,17 @@ class WorkerCore:
             lease_grace_s=config.transfer.lease_grace_s,
             lease_s=config.transfer.kv_lease_s,
             cuda_graphs=config.engine.cuda_graphs,
+            tp=tp,
         )
         if self.engine.kv_mem is None:
             raise ConfigError("engine: the KV cache was not registered with the transfer agent")
-        self.peers = PeerDirectory(self.agent, coordinator, config.runtime.remote_timeout_s)
+        self.peers = PeerDirectory(
+            self.agent,
+            coordinator,
+            config.runtime.remote_timeout_s,
+            self.engine.layout,
+            on_lost=self.group.lost if self.group is not None else None,
+        )
         self.table = RequestTable(mark_ttl_s=config.runtime.remote_timeout_s)
         self.hub = OutputHub()
         self.mailbox: Mailbox[Handoff] = Mailbox()
@@ -231,6 +242,8 @@ class WorkerCore:
         self._closed = True
         if self._loop is not None:
             self._loop.stop()
+        if self.group is not None:
+            close_group(self.engine)
         self.agent.close()
 
 

@@ -6,6 +6,8 @@ fails or runs late recomputes the prompt here (``on_transfer_failure: recompute`
 request with its typed error (``fail``); blocks that a read still in flight may write are
 quarantined until it has ended, also when the request is cancelled mid-read.
 WRITE: the blocks were reserved (``reserve``) and P pushed every layer; decoding starts at once.
+Tensor parallelism: each rank of this engine reads, from every P rank holding some of its KV heads,
+one batched read (``tp_transfer``); the one read is then all of them, under the same deadline.
 """
 
 from __future__ import annotations
@@ -16,11 +18,19 @@ import time
 
 from moriio_ray import metrics
 from moriio_ray.errors import DeadlineExceeded, MoriioRayError, TransferError, TransferTimeout
-from moriio_ray.runtime.messages import DecodeStart, GenRequest, Handoff, KVHandle, PushResult, Reservation
+from moriio_ray.runtime.messages import (
+    DecodeStart,
+    GenRequest,
+    Handoff,
+    KVHandle,
+    PushResult,
+    RankDesc,
+    Reservation,
+)
 from moriio_ray.transfer.handle import Transfer
-from moriio_ray.transfer.plan import plan_blocks
 from moriio_ray.worker.core import WorkerCore
 from moriio_ray.worker.requests import WorkerRequest
+from moriio_ray.worker.tp_transfer import plan_pulls, start_pull
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +40,18 @@ class DecodeSide:
 
     def __init__(self, core: WorkerCore) -> None:
         self.core = core
+        self._own_ranks: list[RankDesc] | None = None
+
+    async def _ranks(self) -> list[RankDesc]:
+        """This engine's ranks (rank 0 alone at TP = 1), as P's ranks are matched against them."""
+        if self._own_ranks is None:
+            c = self.core
+            assert c.engine.kv_mem is not None
+            own = RankDesc(
+                rank=0, engine_desc=c.agent.engine_desc(), kv_mem=c.engine.kv_mem, layout=c.engine.layout
+            )
+            self._own_ranks = [own, *(await c.group.descs() if c.group is not None else [])]
+        return self._own_ranks
 
     async def reserve(self, req: GenRequest) -> Reservation:
         """WRITE: reserve blocks for a prompt that P will push into."""
@@ -115,18 +137,15 @@ class DecodeSide:
             until_s = time.monotonic() + max(0.0, limit_unix - time.time())
             blocks = await c.reserve_blocks(req, rec.engine_id, until_s)
             peer = await c.peers.get(h.engine_key, h.epoch)
-            if peer.info.kv_mem is None:
-                raise TransferError(f"peer {h.engine_key!r} published no KV region")
             assert c.engine.kv_mem is not None
-            plan = plan_blocks(blocks, h.block_ids, c.engine.layout, peer.info.layout)
+            pulls = plan_pulls(await self._ranks(), peer.info.rank_descs(), blocks, h.block_ids)
             remaining_s = limit_unix - time.time()
             if remaining_s <= 0:
                 raise TransferTimeout(f"the lease of {h.transfer_id} on {h.engine_key} ends before the read")
             t0 = time.perf_counter()
-            xfer = c.agent.read(
-                c.engine.kv_mem, peer.info.kv_mem, plan.local_offsets, plan.remote_offsets, plan.sizes
-            )
-            await _wait(xfer, min(cfg.timeout_s, remaining_s))
+            wait_s = min(cfg.timeout_s, remaining_s)
+            xfer = start_pull(c.agent, c.engine.kv_mem, pulls, c.group, cfg.timeout_s + cfg.lease_grace_s)
+            await _wait(xfer, wait_s)
             transfer_s = time.perf_counter() - t0
         except asyncio.CancelledError:
             self._quarantine_if_running(rec, xfer)
@@ -139,14 +158,14 @@ class DecodeSide:
             handoff_unix=handoff_unix,
             decode_start_unix=time.time(),
             transfer_s=transfer_s,
-            transfer_bytes=plan.num_bytes,
-            transfer_segments=plan.num_segments,
+            transfer_bytes=xfer.num_bytes,
+            transfer_segments=xfer.num_segments,
         )
         peer.actor.release.remote(h.transfer_id)  # after the hand-over: off the critical path
         c.counters["transfers"] += 1
-        c.counters["transfer_bytes"] += plan.num_bytes
+        c.counters["transfer_bytes"] += xfer.num_bytes
         metrics.record_transfer(
-            plan.num_bytes, transfer_s, plan.num_segments, backend=c.agent.name, role="decode"
+            xfer.num_bytes, transfer_s, xfer.num_segments, backend=c.agent.name, role="decode"
         )
         return start
 

@@ -1,9 +1,15 @@
-"""A worker's view of its peers: descriptors from the coordinator, connected once per peer pair."""
+"""A worker's view of its peers: descriptors from the coordinator, connected once per peer pair.
+
+A tensor-parallel peer is one member with several ranks (``WorkerInfo.rank_descs``): this agent
+connects to the peer ranks that share KV heads with its own cache, and a lost peer drops all of
+them, here and (``on_lost``) on this engine's other ranks.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,6 +17,8 @@ from moriio_ray.errors import PeerLost, StaleDescriptor
 from moriio_ray.runtime.deadline import deadline
 from moriio_ray.runtime.messages import Member, WorkerInfo
 from moriio_ray.transfer.base import TransferAgent
+from moriio_ray.transfer.layout import KVLayout
+from moriio_ray.transfer.plan import rank_pairs
 
 log = logging.getLogger(__name__)
 
@@ -26,10 +34,19 @@ class Peer:
 class PeerDirectory:
     """Resolves (key, epoch) to a connected peer; a lost or replaced peer raises PeerLost."""
 
-    def __init__(self, agent: TransferAgent, coordinator: Any, timeout_s: float) -> None:
+    def __init__(
+        self,
+        agent: TransferAgent,
+        coordinator: Any,
+        timeout_s: float,
+        layout: KVLayout | None = None,
+        on_lost: Callable[[list[str]], None] | None = None,
+    ) -> None:
         self.agent = agent
         self.coordinator = coordinator
         self.timeout_s = timeout_s
+        self.layout = layout  # this agent's cache: which peer ranks it moves KV with
+        self.on_lost = on_lost
         self._peers: dict[str, Peer] = {}
         self._lost: dict[str, int] = {}  # key -> highest epoch known dead
         self._connecting: dict[tuple[str, int], asyncio.Task[Peer]] = {}
@@ -61,7 +78,11 @@ class PeerDirectory:
         peer = self._peers.get(key)
         if peer is not None and peer.epoch <= epoch:
             del self._peers[key]
-            self.agent.disconnect(key)
+            keys = [r.engine_desc.key for r in peer.info.rank_descs()]
+            for rank_key in keys:
+                self.agent.disconnect(rank_key)
+            if self.on_lost is not None:
+                self.on_lost(keys)
 
     def _check_alive(self, key: str, epoch: int, peer: Peer | None) -> None:
         if epoch <= self._lost.get(key, 0):
@@ -79,9 +100,17 @@ class PeerDirectory:
         info: WorkerInfo = await deadline(member.info_ref, self.timeout_s, f"the descriptors of {key!r}")
         self._check_alive(key, epoch, self._peers.get(key))
         try:
-            await asyncio.to_thread(self.agent.connect, info.engine_desc)
+            for desc in self._rank_descs(info):
+                await asyncio.to_thread(self.agent.connect, desc)
         except StaleDescriptor as exc:
             raise PeerLost(str(exc)) from exc
         peer = Peer(key=key, epoch=epoch, info=info, actor=member.actor)
         self._peers[key] = peer
         return peer
+
+    def _rank_descs(self, info: WorkerInfo) -> list[Any]:
+        """The peer's ranks this agent exchanges KV with (its only rank at TP = 1)."""
+        if not info.ranks or self.layout is None:
+            return [info.engine_desc]
+        ranks = info.rank_descs()
+        return [ranks[j].engine_desc for _, j in rank_pairs([self.layout], [r.layout for r in ranks])]

@@ -1,4 +1,8 @@
-"""P's part of a worker: prefill and lease (READ), prefill while pushing each layer (WRITE), release."""
+"""P's part of a worker: prefill and lease (READ), prefill while pushing each layer (WRITE), release.
+
+Under tensor parallelism every rank pushes its own KV heads (WRITE): rank 0 here, the others on
+``RankGroup.prepare_push`` before the prefill starts; the push is over when every rank's is.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ from moriio_ray.engine.outputs import PrefillResult
 from moriio_ray.runtime.deadline import deadline
 from moriio_ray.runtime.messages import GenRequest, Handoff, KVHandle, PeerRef, PushResult, Reservation
 from moriio_ray.worker.core import WorkerCore
-from moriio_ray.worker.push import LayerPusher
+from moriio_ray.worker.push import LayerPusher, push_targets
 from moriio_ray.worker.requests import WorkerRequest
 
 
@@ -58,23 +62,22 @@ class PrefillSide:
         try:
             peer = await c.peers.get(reservation.engine_key, reservation.epoch)
             assert c.engine.kv_mem is not None
+            d_ranks = peer.info.rank_descs()
+            targets = push_targets(c.engine.layout, d_ranks)
             rec.pusher = pusher = LayerPusher(
-                c.agent, c.engine.kv_mem, c.engine.layout, peer.info, reservation
+                c.agent, c.engine.kv_mem, c.engine.layout, targets, reservation.block_ids
             )
+            if c.group is not None:
+                await c.group.prepare_push(req.request_id, d_ranks, reservation.block_ids)
             pre, reason, prefill_s = await self._prefill(rec, req)
             done_unix = time.time()
             t0 = time.perf_counter()
             limit_s = max(0.0, min(c.config.transfer.timeout_s, reservation.deadline_unix - done_unix))
-            try:
-                await asyncio.to_thread(pusher.wait_all, limit_s)
-            except Exception as exc:
-                c.counters["transfer_failures"] += 1
-                metrics.record_failure(type(exc).__name__, role=c.role.value)
-                raise
+            num_bytes, num_segments = await self._wait_pushes(req.request_id, pusher, limit_s)
             c.counters["transfers"] += 1
-            c.counters["transfer_bytes"] += pusher.num_bytes
+            c.counters["transfer_bytes"] += num_bytes
             metrics.record_transfer(
-                pusher.num_bytes, prefill_s, pusher.num_segments, backend=c.agent.name, role=c.role.value
+                num_bytes, prefill_s, num_segments, backend=c.agent.name, role=c.role.value
             )
             result = PushResult(
                 request_id=req.request_id,
@@ -83,8 +86,8 @@ class PrefillSide:
                 prefill_done_unix=done_unix,
                 prefill_s=prefill_s,
                 push_wait_s=time.perf_counter() - t0,
-                num_bytes=pusher.num_bytes,
-                num_segments=pusher.num_segments,
+                num_bytes=num_bytes,
+                num_segments=num_segments,
                 finish_reason=reason,
             )
             await self._deliver(deliver_to, req.request_id, result)
@@ -93,6 +96,23 @@ class PrefillSide:
             c.table.close(rec)
             # P keeps nothing once the push is over (or failed): D holds the KV now.
             c.loop.post(lambda: c.engine.abort(req.request_id))
+            if c.group is not None:
+                c.group.drop_push(req.request_id)  # a no-op where the push was waited for
+
+    async def _wait_pushes(self, request_id: str, pusher: LayerPusher, limit_s: float) -> tuple[int, int]:
+        """Wait for this rank's pushes and (tensor parallelism) the other ranks'; (bytes, segments)."""
+        c = self.core
+        try:
+            await asyncio.to_thread(pusher.wait_all, limit_s)
+            num_bytes, num_segments = pusher.num_bytes, pusher.num_segments
+            if c.group is not None:
+                more_bytes, more_segments = await c.group.wait_push(request_id, limit_s)
+                num_bytes, num_segments = num_bytes + more_bytes, num_segments + more_segments
+        except Exception as exc:
+            c.counters["transfer_failures"] += 1
+            metrics.record_failure(type(exc).__name__, role=c.role.value)
+            raise
+        return num_bytes, num_segments
 
     async def _deliver(self, to: PeerRef | None, request_id: str, result: Handoff) -> None:
         """Hand the result straight to D (one Ray call; the caller gets its own copy)."""

@@ -1,18 +1,23 @@
-"""WRITE mode: push each layer of a prefill into the decode engine's reserved blocks as it is computed."""
+"""WRITE mode: push each layer of a prefill into the decode engine's reserved blocks as it is computed.
+
+Under tensor parallelism every P rank runs a pusher for its own KV heads, with one target per D
+rank that holds some of them (``plan.rank_pairs``): per layer, one batched write per target.
+"""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
 
-from moriio_ray.errors import TransferError
-from moriio_ray.runtime.messages import Reservation, WorkerInfo
+from moriio_ray.errors import TransferError, TransferTimeout
+from moriio_ray.runtime.messages import RankDesc
 from moriio_ray.transfer.base import TransferAgent
 from moriio_ray.transfer.desc import MemoryDesc
 from moriio_ray.transfer.handle import Transfer
 from moriio_ray.transfer.layout import KVLayout
-from moriio_ray.transfer.plan import plan_blocks
+from moriio_ray.transfer.plan import plan_blocks, rank_pairs
 
 
 def layer_stride_bytes(layout: KVLayout) -> int:
@@ -22,8 +27,13 @@ def layer_stride_bytes(layout: KVLayout) -> int:
     return int(layout.segment_offsets(one, zero, zero)[0] - layout.segment_offsets(zero, zero, zero)[0])
 
 
+def push_targets(local_layout: KVLayout, peer_ranks: list[RankDesc]) -> list[RankDesc]:
+    """The D ranks that hold some of this rank's KV heads (all of D's one rank at TP = 1)."""
+    return [peer_ranks[j] for _, j in rank_pairs([local_layout], [r.layout for r in peer_ranks])]
+
+
 class LayerPusher:
-    """Runs on the engine thread: ``on_layer`` issues one batched write per computed layer.
+    """Runs on the engine thread: ``on_layer`` issues one batched write per computed layer and target.
 
     Ordering on CUDA: the hook runs right after layer i's K/V writes were queued on the engine's
     current stream, and backends start a GPU copy after the work already queued on the caller's
@@ -36,58 +46,72 @@ class LayerPusher:
         agent: TransferAgent,
         local_mem: MemoryDesc,
         local_layout: KVLayout,
-        peer: WorkerInfo,
-        reservation: Reservation,
+        targets: list[RankDesc],
+        dest_blocks: list[int],
     ) -> None:
-        if peer.kv_mem is None:
-            raise TransferError(f"peer {peer.key!r} published no KV region")
+        if not targets:
+            raise TransferError(f"{agent.key}: no decode rank holds KV heads {list(local_layout.heads)}")
         self.agent = agent
         self.local_mem = local_mem
         self.local_layout = local_layout
-        self.peer = peer
-        self.remote_mem: MemoryDesc = peer.kv_mem
-        self.reservation = reservation
+        self.targets = targets
+        self.dest_blocks = dest_blocks
         self.transfers: list[Transfer] = []
         self.error: BaseException | None = None
         self.num_bytes = 0
         self.num_segments = 0
-        self._plan: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
-        self._strides = (layer_stride_bytes(local_layout), layer_stride_bytes(peer.layout))
+        self.num_layers = local_layout.num_layers
+        # set once the last layer is pushed (or a push failed): a rank other than 0 may run its
+        # forward pass a little behind rank 0, which asks it to wait
+        self.complete = threading.Event()
+        # per target: layer 0's (local, remote, sizes) and the remote layer stride
+        self._plans: list[tuple[np.ndarray, np.ndarray, np.ndarray, int]] | None = None
+        self._local_stride = layer_stride_bytes(local_layout)
 
     def on_layer(self, layer: int, local_blocks: list[int]) -> None:
         """Push ``layer`` of the prompt's blocks; errors are kept for ``wait_all`` (never raised here)."""
         if self.error is not None:
             return
         try:
-            if self._plan is None:
-                dest = self.reservation.block_ids
-                if len(local_blocks) < len(dest):
-                    raise TransferError(
-                        f"prefill holds {len(local_blocks)} blocks, the reservation expects {len(dest)}"
-                    )
-                plan = plan_blocks(
-                    local_blocks[: len(dest)], dest, self.local_layout, self.peer.layout, range(0, 1)
+            if self._plans is None:
+                self._plans = self._plan(local_blocks)
+            local_step = layer * self._local_stride
+            for target, (lo, ro, sz, remote_stride) in zip(self.targets, self._plans, strict=True):
+                xfer = self.agent.write(
+                    self.local_mem, target.kv_mem, lo + local_step, ro + layer * remote_stride, sz
                 )
-                self._plan = (plan.local_offsets, plan.remote_offsets, plan.sizes)
-            lo, ro, sz = self._plan
-            local_stride, remote_stride = self._strides
-            xfer = self.agent.write(
-                self.local_mem,
-                self.remote_mem,
-                lo + layer * local_stride,
-                ro + layer * remote_stride,
-                sz,
-            )
-            self.transfers.append(xfer)
-            self.num_bytes += xfer.num_bytes
-            self.num_segments += xfer.num_segments
+                self.transfers.append(xfer)
+                self.num_bytes += xfer.num_bytes
+                self.num_segments += xfer.num_segments
+            if layer == self.num_layers - 1:
+                self.complete.set()
         except BaseException as exc:
             self.error = exc
+            self.complete.set()
+
+    def _plan(self, local_blocks: list[int]) -> list[tuple[np.ndarray, np.ndarray, np.ndarray, int]]:
+        dest = self.dest_blocks
+        if len(local_blocks) < len(dest):
+            raise TransferError(
+                f"prefill holds {len(local_blocks)} blocks, the reservation expects {len(dest)}"
+            )
+        plans = []
+        for target in self.targets:
+            plan = plan_blocks(local_blocks[: len(dest)], dest, self.local_layout, target.layout, range(0, 1))
+            plans.append(
+                (plan.local_offsets, plan.remote_offsets, plan.sizes, layer_stride_bytes(target.layout))
+            )
+        return plans
 
     def wait_all(self, timeout_s: float) -> None:
-        """Wait for every pushed layer (blocking; call from a thread)."""
+        """Wait until the last layer is pushed, then for every push (blocking; call from a thread)."""
+        deadline = time.monotonic() + timeout_s
+        if not self.complete.wait(timeout_s):
+            raise TransferTimeout(
+                f"{self.agent.key}: the prefill pushed {len(self.transfers) // len(self.targets)} of "
+                f"{self.num_layers} layers within {timeout_s} s"
+            )
         if self.error is not None:
             raise self.error
-        deadline = time.monotonic() + timeout_s
         for xfer in self.transfers:
             xfer.wait(max(0.0, deadline - time.monotonic()))

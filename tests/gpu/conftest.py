@@ -7,6 +7,7 @@ Run them on a GPU host with ``pytest tests/gpu -m gpu``. A test that needs two G
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Iterator
 
 import pytest
 
@@ -35,3 +36,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason=why))
         elif count < need:
             item.add_marker(pytest.mark.skip(reason=f"needs {need} GPUs, {count} visible"))
+
+
+@pytest.fixture(scope="module")
+def ray_gpus() -> Iterator[None]:
+    """A local Ray over this host's GPUs, for one test module."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(namespace="moriio_ray", include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()

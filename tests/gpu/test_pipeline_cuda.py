@@ -12,7 +12,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import statistics
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -26,16 +25,6 @@ TOPOLOGIES = [
     pytest.param(0.5, marks=pytest.mark.gpu(min_gpus=1), id="one-gpu"),
     pytest.param(1.0, marks=pytest.mark.gpu(min_gpus=2), id="two-gpus"),
 ]
-
-
-@pytest.fixture(scope="module")
-def ray_gpus() -> Iterator[None]:
-    import ray
-
-    if not ray.is_initialized():
-        ray.init(namespace="moriio_ray", include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 def _config(name: str, preset: str, mode: str, colocated: bool, num_gpus: float) -> Any:

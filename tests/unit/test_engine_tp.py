@@ -15,7 +15,8 @@ from moriio_ray.config import parse_pipeline_config
 from moriio_ray.engine.engine import Engine
 from moriio_ray.engine.presets import get_preset
 from moriio_ray.engine.sampling import SamplingParams
-from moriio_ray.engine.tp import TPGroup, check_tp_size, shard_args
+from moriio_ray.engine.tp import TPGroup, shard_args
+from moriio_ray.engine.tp_size import check_tp_size
 from moriio_ray.errors import ConfigError
 
 PROMPTS = [[40 + (i * 7 + j) % 80 for j in range(n)] for i, n in enumerate([1, 4, 5, 9, 17, 30])]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from moriio_ray.engine.tp import shard_range
+from moriio_ray.engine.tp_size import shard_range
 from moriio_ray.errors import ConfigError
 from moriio_ray.transfer.layout import BLOCK_MAJOR, LAYER_MAJOR, KVLayout
 from moriio_ray.transfer.plan import TransferPlan, plan_blocks, rank_pairs, shared_heads
