@@ -18,8 +18,8 @@ from moriio_ray import env
 from moriio_ray.config import PipelineConfig
 from moriio_ray.engine.engine import Engine
 from moriio_ray.engine.outputs import StepOutput
-from moriio_ray.errors import ConfigError, DeadlineExceeded, MoriioRayError, RequestCancelled
-from moriio_ray.runtime.messages import GenRequest, Handoff, KVHandle, RequestOutput, Role
+from moriio_ray.errors import ConfigError, DeadlineExceeded, EngineFailed, MoriioRayError, RequestCancelled
+from moriio_ray.runtime.messages import GenRequest, Handoff, KVHandle, RequestOutput, Role, error_from
 from moriio_ray.transfer import create_agent
 from moriio_ray.transfer.handle import Transfer
 from moriio_ray.worker.engine_loop import EngineLoop
@@ -108,7 +108,9 @@ class WorkerCore:
             if rec is None:
                 continue  # aborted meanwhile
             first = rec.prefill_out
-            if first is not None:  # the prefill's output answers the call waiting for it
+            if out.error is not None:  # this request failed in the engine (which goes on)
+                self.fail(rec, error_from(*out.error))
+            elif first is not None:  # the prefill's output answers the call waiting for it
                 rec.prefill_out = None  # (colocated: the later outputs go to the stream)
                 if not first.done():
                     first.set_result(out)
@@ -121,17 +123,20 @@ class WorkerCore:
                 self.table.close(rec)
 
     def on_fault(self, exc: BaseException) -> None:
-        """The engine failed: every request on this worker ends with the error (none hangs)."""
-        reason = f"engine of {self.key} failed: {exc!r}"
+        """The engine itself failed: every request on this worker ends with EngineFailed (none
+        hangs), and the coordinator's health check replaces the worker."""
+        failure = EngineFailed(f"the engine of {self.key} failed ({type(exc).__name__}); retry the request")
         for rec in self.table.records():
-            if rec.prefill_out is not None:
-                if not rec.prefill_out.done():
-                    rec.prefill_out.set_exception(MoriioRayError(reason))
-            elif rec.caller is not None:
-                self.fail(rec, MoriioRayError(reason))
+            self.fail(rec, failure)
 
     def fail(self, rec: WorkerRequest, exc: BaseException) -> None:
-        """End a streaming request with a typed error on its caller's stream."""
+        """End a request with a typed error: through the call waiting for its prefill, or on its
+        caller's output stream."""
+        first, rec.prefill_out = rec.prefill_out, None
+        if first is not None:
+            if not first.done():
+                first.set_exception(exc)
+            return  # the call that waited for it ends the request (and closes its record)
         self.table.close(rec)
         if rec.caller is not None:
             name = type(exc).__name__ if isinstance(exc, MoriioRayError) else "MoriioRayError"
