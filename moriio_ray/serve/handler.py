@@ -217,9 +217,13 @@ class OpenAIServer:
             self._cleanups.add(task)
             task.add_done_callback(self._cleanups.discard)
 
+        async def close() -> None:
+            timer.cancel()
+            await _close(events, slot, frames)
+
         timer = asyncio.get_running_loop().call_later(STREAM_START_TIMEOUT_S, abandon)
         frames = self._frames(fmt, first, events, deadline, include_usage, slot, timer.cancel)
-        return StreamReply(frames=frames, close=lambda: _close(events, slot, frames), begin=timer.cancel)
+        return StreamReply(frames=frames, close=close, begin=timer.cancel)
 
     async def _whole(self, fmt: Format, event: Any, events: AsyncIterator[Any], deadline: _Deadline) -> bytes:
         ids, texts, logprobs = [*event.token_ids], [event.text], [*(event.logprobs or [])]
