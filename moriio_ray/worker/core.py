@@ -19,6 +19,7 @@ from moriio_ray.config import PipelineConfig
 from moriio_ray.engine.engine import Engine
 from moriio_ray.engine.outputs import StepOutput
 from moriio_ray.errors import ConfigError, DeadlineExceeded, EngineFailed, MoriioRayError, RequestCancelled
+from moriio_ray.runtime import detached
 from moriio_ray.runtime.messages import GenRequest, Handoff, KVHandle, RequestOutput, Role, error_from
 from moriio_ray.transfer import create_agent
 from moriio_ray.transfer.handle import Transfer
@@ -84,6 +85,7 @@ class WorkerCore:
         }
         self._loop: EngineLoop | None = None
         self._background: set[asyncio.Future[Any]] = set()
+        self._quarantined: set[str] = set()  # engine ids whose blocks a late transfer may write
         self._closed = False
 
     @property
@@ -93,9 +95,10 @@ class WorkerCore:
             self.spawn(self._watch_callers())
         return self._loop
 
-    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
-        """Run ``coro`` in the background; it is kept alive and its failure logged."""
-        task = asyncio.ensure_future(coro)
+    def spawn(self, coro: Coroutine[Any, Any, Any], *, detach: bool = False) -> asyncio.Task[Any]:
+        """Run ``coro`` in the background; it is kept alive and its failure logged. ``detach``:
+        outside the current request's Ray task lineage (see ``runtime/detached.py``)."""
+        task = detached.spawn(coro) if detach else asyncio.ensure_future(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
         return task
@@ -166,6 +169,8 @@ class WorkerCore:
             engine_id = rec.engine_id
         else:
             engine_id = request_id
+        if engine_id in self._quarantined:
+            return  # a late abort: the quarantine frees these blocks once the transfer has ended
         await self.loop.call_now(lambda: self.engine.abort(engine_id))
 
     def abort_caller(self, caller: str) -> None:
@@ -197,12 +202,15 @@ class WorkerCore:
                 await asyncio.to_thread(xfer.wait, max_wait_s)
             except Exception:
                 pass  # failed or still running after max_wait_s: either way it is over for us
+            self._quarantined.discard(engine_id)
             self.loop.post(lambda: self.engine.abort(engine_id))
 
+        self._quarantined.add(engine_id)
         self.spawn(free_later())
 
     def release_lease(self, handle: KVHandle) -> None:
-        """Tell P to free a lease (fire and forget: P frees it at lease + grace anyway)."""
+        """Tell P to free a lease (fire and forget: P frees it at lease + grace anyway). Sent
+        outside the calling request's task lineage, so that no cancellation of it can lose this."""
 
         async def release() -> None:
             try:
@@ -211,7 +219,7 @@ class WorkerCore:
             except Exception as exc:  # P gone: its lease went with it
                 log.info("could not release %s on %s: %r", handle.transfer_id, handle.engine_key, exc)
 
-        self.spawn(release())
+        self.spawn(release(), detach=True)
 
     async def reserve_blocks(self, req: GenRequest, engine_id: str, deadline_s: float) -> list[int]:
         """Reserve blocks for ``req``; wait for the engine to free some, up to ``deadline_s``
