@@ -4,7 +4,7 @@ The front end (``OpenAIServer``) runs over the real ``PDPipeline.make_request`` 
 real tiny engine that runs each admitted request for a few steps (sampling and stop checks on the
 fuzzed parameters). Properties: no 5xx, every 4xx OpenAI-shaped, no stream carries an error, the
 engine still serves a valid request afterwards, and no block is leaked. The same bodies go over
-real HTTP in tests/e2e/test_serve_hostile.py.
+real HTTP in tests/e2e/test_hostile_http.py.
 """
 
 from __future__ import annotations
