@@ -51,6 +51,16 @@ class InvalidRequest(MoriioRayError, ValueError):
     """A request carries invalid parameters (sampling values, empty prompt, ...)."""
 
 
+class RequestFailed(MoriioRayError):
+    """The engine could not serve one request (a fault in its sampling or stop checks); the
+    request ends with this error, and the engine goes on serving the others."""
+
+
+class EngineFailed(MoriioRayError):
+    """A worker's engine itself failed (a device error, out of memory): every request on it ends
+    with this error, and the coordinator replaces the worker. Retry the request."""
+
+
 class DeadlineExceeded(MoriioRayError, TimeoutError):
     """A remote call did not answer within its deadline."""
 

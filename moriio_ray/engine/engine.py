@@ -12,6 +12,11 @@ another thread calls ``release`` or ``abort``.
 
 Under tensor parallelism (``tp``) this engine is rank 0: it schedules, broadcasts each batch to the
 other ranks (``RankEngine``, one message per step), runs its own shard and samples.
+
+Fault isolation: an exception that one request causes in ``step`` (its sampling, its stop checks)
+ends that request alone, with a ``StepOutput`` carrying the typed error, and frees its blocks; the
+others go on. An exception outside those per-request parts (the model's forward: a device error,
+out of memory) escapes ``step``: the engine itself has failed.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from moriio_ray.config import EngineConfig, ModelConfig
 from moriio_ray.engine.block_allocator import BlockAllocator
 from moriio_ray.engine.outputs import PrefillResult, StepOutput
 from moriio_ray.engine.rank import build_rank
-from moriio_ray.engine.sampler import SamplingRow, row_key, sample
+from moriio_ray.engine.sampler import SamplingRow, row_key, sample_each
 from moriio_ray.engine.sampling import SamplingParams
 from moriio_ray.engine.scheduler import Scheduler
 from moriio_ray.engine.sequence import SeqState, Sequence, blocks_for
@@ -37,7 +42,7 @@ from moriio_ray.engine.stopping import check_stop
 from moriio_ray.engine.tokenizer import load_tokenizer
 from moriio_ray.engine.tp import SINGLE, TPGroup
 from moriio_ray.engine.tp_steps import Kind, StepChannel, StepMsg, encode_batch
-from moriio_ray.errors import CapacityError, ConfigError, InvalidRequest
+from moriio_ray.errors import CapacityError, ConfigError, InvalidRequest, MoriioRayError, RequestFailed
 
 if TYPE_CHECKING:
     from moriio_ray.transfer.base import TransferAgent
@@ -106,6 +111,7 @@ class Engine:
         vocab = self.args.vocab_size
         if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
             raise InvalidRequest(f"prompt_token_ids: every id must be an integer in 0..{vocab - 1}")
+        params.check_for_model(vocab)
         if len(prompt) >= self.max_model_len:
             raise CapacityError(
                 f"prompt of {len(prompt)} tokens leaves no room to generate within max_model_len "
@@ -203,7 +209,11 @@ class Engine:
         return seq
 
     def _schedule_or_finish(self, seq: Sequence) -> None:
-        reason = check_stop(seq, self.tokenizer, self.max_model_len)
+        try:
+            reason = check_stop(seq, self.tokenizer, self.max_model_len)
+        except Exception as exc:  # this request's stop rule failed: end it alone
+            self._drop(seq)
+            raise _request_error(seq, exc) from exc
         if reason is None:
             self.scheduler.add(seq)
             return
@@ -238,15 +248,19 @@ class Engine:
                 )
                 for seq in batch.seqs
             ]
-            tokens, logprobs = sample(logits, rows)
-            for seq, token, logprob in zip(batch.seqs, tokens, logprobs, strict=True):
-                outputs.append(self._advance(seq, token, logprob))
+            tokens, logprobs, errors = sample_each(logits, rows)
+            for seq, token, logprob, error in zip(batch.seqs, tokens, logprobs, errors, strict=True):
+                out = self._advance(seq, token, logprob) if error is None else self._fail(seq, error)
+                outputs.append(out)
             return outputs
 
     def _advance(self, seq: Sequence, token: int, logprob: float | None) -> StepOutput:
         seq.num_cached = seq.num_tokens
         seq.output_ids.append(token)
-        reason = check_stop(seq, self.tokenizer, self.max_model_len)
+        try:
+            reason = check_stop(seq, self.tokenizer, self.max_model_len)
+        except Exception as exc:  # this request's stop rule failed: end it alone
+            return self._fail(seq, exc)
         out = StepOutput(
             request_id=seq.request_id,
             new_token_ids=[token],
@@ -262,6 +276,18 @@ class Engine:
             self.scheduler.finish(seq)
             del self._seqs[seq.request_id]
         return out
+
+    def _fail(self, seq: Sequence, exc: BaseException) -> StepOutput:
+        """End one request that faulted inside ``step`` with a typed error; free its blocks."""
+        log.warning("request %s failed in the engine: %r", seq.request_id, exc, exc_info=exc)
+        self._drop(seq)
+        error = _request_error(seq, exc)
+        return StepOutput(
+            request_id=seq.request_id,
+            new_token_ids=[],
+            finished=True,
+            error=(type(error).__name__, str(error)),
+        )
 
     def _prefill_result(
         self, seq: Sequence, first_token: int, first_logprob: float | None, *, lease: bool
@@ -373,3 +399,13 @@ class Engine:
                 self._steps.send(StepMsg(Kind.STOP))
                 self._steps = None
             self.cache.close()
+
+
+def _request_error(seq: Sequence, exc: BaseException) -> MoriioRayError:
+    """The typed error that ends a request whose own sampling or stop checks raised ``exc``."""
+    if isinstance(exc, MoriioRayError):
+        return exc
+    return RequestFailed(
+        f"request {seq.request_id} failed in the engine ({type(exc).__name__} in its sampling or "
+        "stop checks); the engine serves the other requests on"
+    )

@@ -26,6 +26,8 @@ class StepOutput(msgspec.Struct, kw_only=True):
     ``finish_reason`` is "stop" (EOS, a stop token or string) or "length" (max_tokens or
     max_model_len). On a prefill engine every request finishes after its first token with
     ``prefill`` set; ``finish_reason`` is then None unless the whole request is already complete.
+    ``error`` (a typed error's class name and message) ends a request that failed in the engine;
+    the engine has freed its blocks and serves the others on.
     """
 
     request_id: str
@@ -34,3 +36,4 @@ class StepOutput(msgspec.Struct, kw_only=True):
     finish_reason: str | None = None
     logprobs: list[float] | None = None
     prefill: PrefillResult | None = None
+    error: tuple[str, str] | None = None

@@ -14,6 +14,9 @@ import torch
 
 _M32 = 0xFFFF_FFFF
 _M64 = 0xFFFF_FFFF_FFFF_FFFF
+# Below this temperature a row is greedy: logits / 1e-30 in float32 overflow to inf, and the
+# softmax of inf is NaN, so a tiny positive temperature must not reach the division.
+MIN_TEMPERATURE = 1e-5
 
 
 def _splitmix64(x: int) -> int:
@@ -59,7 +62,7 @@ class SamplingRow:
 def _filter(scaled: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """Mask everything outside each row's top-k, then outside its top-p nucleus, to -inf."""
     vocab = scaled.shape[1]
-    top_k = torch.tensor([r.top_k if r.top_k > 0 else vocab for r in rows], device=scaled.device)
+    top_k = torch.tensor([min(r.top_k, vocab) if r.top_k > 0 else vocab for r in rows], device=scaled.device)
     top_p = torch.tensor([r.top_p for r in rows], dtype=torch.float32, device=scaled.device)
     values, order = scaled.sort(dim=-1, descending=True, stable=True)  # [B, V]
     ranks = torch.arange(vocab, device=scaled.device)[None, :]
@@ -74,14 +77,16 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], li
     """Sampled token ids and (where asked for) their raw log probabilities, for logits [B, V] float32."""
     greedy = logits.argmax(dim=-1)  # [B]
     tokens = greedy
-    if any(r.temperature > 0 for r in rows):
-        temps = torch.tensor([r.temperature or 1.0 for r in rows], dtype=torch.float32, device=logits.device)
+    if any(_random(r) for r in rows):
+        temps = torch.tensor(
+            [r.temperature if _random(r) else 1.0 for r in rows], dtype=torch.float32, device=logits.device
+        )
         scaled = logits / temps[:, None]
         if any(r.top_k > 0 or r.top_p < 1.0 for r in rows):
             scaled = _filter(scaled, rows)
         noise = -torch.log(uniform_noise([r.key for r in rows], logits.shape[1], logits.device))  # Exp(1)
         sampled = (scaled.softmax(dim=-1) / noise).argmax(dim=-1)
-        is_greedy = torch.tensor([r.temperature == 0 for r in rows], device=logits.device)
+        is_greedy = torch.tensor([not _random(r) for r in rows], device=logits.device)
         tokens = torch.where(is_greedy, greedy, sampled)
     token_list: list[int] = tokens.tolist()
     logprobs: list[float | None] = [None] * len(rows)
@@ -92,3 +97,32 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], li
         for i, value in zip(wanted, lp, strict=True):
             logprobs[i] = value
     return token_list, logprobs
+
+
+def _random(row: SamplingRow) -> bool:
+    return row.temperature >= MIN_TEMPERATURE
+
+
+def sample_each(
+    logits: torch.Tensor, rows: list[SamplingRow]
+) -> tuple[list[int], list[float | None], list[BaseException | None]]:
+    """``sample``, isolating rows: if the batch fails, each row is sampled alone (a row's token
+    does not depend on the batch), and only the rows that fail alone get an error (token -1)."""
+    try:
+        batch_tokens, batch_logprobs = sample(logits, rows)
+        return batch_tokens, batch_logprobs, [None] * len(rows)
+    except Exception:
+        pass
+    tokens: list[int] = []
+    logprobs: list[float | None] = []
+    errors: list[BaseException | None] = []
+    for i, row in enumerate(rows):
+        error: BaseException | None = None
+        try:
+            (token,), (logprob,) = sample(logits[i : i + 1], [row])
+        except Exception as exc:
+            token, logprob, error = -1, None, exc
+        tokens.append(token)
+        logprobs.append(logprob)
+        errors.append(error)
+    return tokens, logprobs, errors

@@ -4,20 +4,58 @@ A frozen msgspec Struct, so it pickles for Ray and decodes from JSON; an invalid
 InvalidRequest naming the field. Randomness is a pure function of (seed, output position), so a
 request whose first token is sampled on a prefill engine and the rest on a decode engine gets
 exactly the tokens one colocated engine gives for the same seed.
+
+Bounds, all here: absolute caps that hold whatever the model (``__post_init__``), and the model's
+own limits (``check_for_model``: top_k and stop token ids against its vocabulary), which the
+pipeline and the engine check where the model is known.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import msgspec
 
 from moriio_ray.errors import InvalidRequest
 
+MAX_VOCAB_SIZE = 1 << 24  # no model's vocabulary is larger: the cap on top_k and on token ids
+MAX_TOKENS_CAP = 1 << 24  # the cap on max_tokens before the model's length is known
+MAX_TEMPERATURE = 1e4
+MIN_SEED, MAX_SEED = -(1 << 63), (1 << 64) - 1  # a seed is any signed or unsigned 64-bit integer
+MAX_STOP_STRINGS = 32
+MAX_STOP_BYTES = 512  # per stop string, UTF-8; each step decodes a tail of about 4x this
+MAX_STOP_TOKEN_IDS = 1024
 
-def _int(name: str, value: Any, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise InvalidRequest(f"{name}: {value!r} must be an integer >= {low}")
+
+def _show(value: Any) -> str:
+    """``repr(value)``, cut short: an error message never echoes a megabyte of input."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _int(name: str, value: Any, low: int, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise InvalidRequest(f"{name}: {_show(value)} must be an integer in {low}..{high}")
+
+
+def _float(name: str, value: Any, allowed: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidRequest(f"{name}: {_show(value)} must be a number in {allowed}")
+    try:
+        number = float(value)
+    except OverflowError:  # an int past float's range
+        number = math.inf
+    if not math.isfinite(number):
+        raise InvalidRequest(f"{name}: {_show(value)} must be a finite number in {allowed}")
+    return number
+
+
+def _list(name: str, value: Any, max_len: int, what: str) -> None:
+    if not isinstance(value, list):
+        raise InvalidRequest(f"{name}: {_show(value)} must be a list of {what}")
+    if len(value) > max_len:
+        raise InvalidRequest(f"{name}: {len(value)} items; at most {max_len} {what} are allowed")
 
 
 class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -28,6 +66,11 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     at ``max_tokens``, at any of ``stop_token_ids``, at EOS unless ``ignore_eos``, or once the
     detokenized output contains a ``stop`` string. ``logprobs`` returns each sampled token's log
     probability under the model's unmodified distribution (log_softmax of the raw logits).
+
+    Bounds: ``max_tokens`` 1..2**24 (and within the model's length), ``temperature`` finite in
+    [0, 10000], ``top_p`` finite in (0, 1], ``top_k`` -1, 0 or 1..2**24 (and at most the
+    vocabulary), ``seed`` within 64 bits, at most 32 stop strings of at most 512 bytes, at most
+    1024 stop token ids (each a token of the vocabulary).
     """
 
     max_tokens: int = 16
@@ -41,29 +84,44 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     logprobs: bool = False
 
     def __post_init__(self) -> None:
-        _int("max_tokens", self.max_tokens, 1)
-        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)):
-            raise InvalidRequest(f"temperature: {self.temperature!r} must be a number >= 0")
-        if not 0.0 <= float(self.temperature) <= 1e4:
-            raise InvalidRequest(f"temperature: {self.temperature!r} must be in [0, 10000] (0 = greedy)")
-        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)):
-            raise InvalidRequest(f"top_p: {self.top_p!r} must be a number in (0, 1]")
-        if not 0.0 < float(self.top_p) <= 1.0:
-            raise InvalidRequest(f"top_p: {self.top_p!r} must be in (0, 1]")
-        if self.top_k not in (-1, 0):
-            _int("top_k", self.top_k, 1)
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise InvalidRequest(f"seed: {self.seed!r} must be an integer or null")
-        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
-            raise InvalidRequest(f"stop: {self.stop!r} must be a list of non-empty strings")
-        if not isinstance(self.stop_token_ids, list):
-            raise InvalidRequest(f"stop_token_ids: {self.stop_token_ids!r} must be a list of token ids")
-        for token_id in self.stop_token_ids:
-            _int("stop_token_ids[]", token_id, 0)
+        _int("max_tokens", self.max_tokens, 1, MAX_TOKENS_CAP)
+        temperature = _float("temperature", self.temperature, f"[0, {MAX_TEMPERATURE:g}] (0 = greedy)")
+        if not 0.0 <= temperature <= MAX_TEMPERATURE:
+            raise InvalidRequest(
+                f"temperature: {_show(self.temperature)} must be in [0, {MAX_TEMPERATURE:g}] (0 = greedy)"
+            )
+        if not 0.0 < _float("top_p", self.top_p, "(0, 1]") <= 1.0:
+            raise InvalidRequest(f"top_p: {_show(self.top_p)} must be in (0, 1]")
+        if self.top_k not in (-1, 0) or isinstance(self.top_k, bool):
+            _int("top_k", self.top_k, 1, MAX_VOCAB_SIZE)
+        if self.seed is not None:
+            _int("seed", self.seed, MIN_SEED, MAX_SEED)
+        _list("stop", self.stop, MAX_STOP_STRINGS, "non-empty strings")
+        for i, s in enumerate(self.stop):
+            if not isinstance(s, str) or not s:
+                raise InvalidRequest(f"stop[{i}]: {_show(s)} must be a non-empty string")
+            if len(s.encode("utf-8", "surrogatepass")) > MAX_STOP_BYTES:
+                raise InvalidRequest(f"stop[{i}]: longer than {MAX_STOP_BYTES} bytes; shorten it")
+        _list("stop_token_ids", self.stop_token_ids, MAX_STOP_TOKEN_IDS, "token ids")
+        for i, token_id in enumerate(self.stop_token_ids):
+            _int(f"stop_token_ids[{i}]", token_id, 0, MAX_VOCAB_SIZE - 1)
         for name in ("ignore_eos", "logprobs"):
             if not isinstance(getattr(self, name), bool):
-                raise InvalidRequest(f"{name}: {getattr(self, name)!r} must be true or false")
+                raise InvalidRequest(f"{name}: {_show(getattr(self, name))} must be true or false")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def check_for_model(self, vocab_size: int) -> None:
+        """The model's own bounds: ``top_k`` and ``stop_token_ids`` within its vocabulary (the
+        pipeline checks ``max_tokens`` against the model's length, with the prompt's)."""
+        if self.top_k > vocab_size:
+            raise InvalidRequest(
+                f"top_k: {self.top_k} must be at most the vocabulary size {vocab_size} (-1: off)"
+            )
+        for i, token_id in enumerate(self.stop_token_ids):
+            if token_id >= vocab_size:
+                raise InvalidRequest(
+                    f"stop_token_ids[{i}]: {token_id} is not a token id of this model (0..{vocab_size - 1})"
+                )

@@ -30,6 +30,7 @@ import ray
 from moriio_ray.config import PipelineConfig
 from moriio_ray.errors import PeerLost
 from moriio_ray.runtime.deadline import deadline
+from moriio_ray.runtime.detached import send
 from moriio_ray.runtime.messages import (
     DecodeStart,
     GenRequest,
@@ -158,7 +159,7 @@ class Flows:
             sub.close()
             self.router.release(c, cost)
             if not done:
-                c.actor.abort.remote(req.request_id)
+                send(c.actor.abort, req.request_id)
 
     # -- disaggregated --------------------------------------------------------------------------
 
@@ -218,9 +219,10 @@ class Flows:
             if not done:
                 # D frees its blocks (and releases P's lease if the handle reached it); P frees
                 # its lease if D never got the handle, or stops a prefill still running.
-                d.actor.abort.remote(rid)
+                # (sent outside this task's lineage: Serve cancels it, and Ray its calls, at a disconnect)
+                send(d.actor.abort, rid)
                 if p is not None:
-                    p.actor.abort.remote(rid)
+                    send(p.actor.abort, rid)
 
     async def _prefill(
         self,
@@ -249,7 +251,7 @@ class Flows:
                 # Cancelled or timed out: P's abort stops its task, or frees the request's blocks
                 # if the task had already finished (its handle then reaches nobody).
                 _forget(ref)
-                p.actor.abort.remote(req.request_id)
+                send(p.actor.abort, req.request_id)
                 raise
             finally:
                 self.router.release(p, cost)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import operator
 import secrets
 import time
 import uuid
@@ -27,7 +28,7 @@ import ray
 
 from moriio_ray import env, metrics
 from moriio_ray.config import PipelineConfig, load_config, parse_pipeline_config
-from moriio_ray.engine.sampling import SamplingParams
+from moriio_ray.engine.sampling import MAX_TOKENS_CAP, SamplingParams
 from moriio_ray.engine.tokenizer import load_tokenizer
 from moriio_ray.errors import CapacityError, ConfigError, InvalidRequest
 from moriio_ray.runtime import coordinator as coord
@@ -52,7 +53,8 @@ class PDPipeline:
         self.router = Router()
         self.flows = Flows(config, self.router, coordinator)
         self.tokenizer = load_tokenizer(config.model)
-        self.max_model_len = 0
+        self.max_model_len = 0  # from the workers (0: not known yet)
+        self.vocab_size = 0  # the model's, from the workers (0: not known yet)
         self._bg: BackgroundLoop | None = None
         self._watch: asyncio.Task[None] | None = None
         self._watch_loop: asyncio.AbstractEventLoop | None = None
@@ -105,6 +107,7 @@ class PDPipeline:
         if not self.max_model_len and membership.members:
             info = await membership.members[0].info_ref
             self.max_model_len = info.max_model_len
+            self.vocab_size = info.vocab_size
 
     def _ensure_watch(self) -> None:
         """Long-poll the membership from the current event loop (one watcher per loop)."""
@@ -134,25 +137,39 @@ class PDPipeline:
         params: SamplingParams | None = None,
         request_id: str | None = None,
     ) -> GenRequest:
-        """Tokenize and validate a request (InvalidRequest / CapacityError for bad input)."""
-        params = params or SamplingParams()
+        """Tokenize and validate a request (InvalidRequest / CapacityError for bad input).
+
+        Every bound that depends on the model is checked here, for the Python API and the HTTP
+        front end alike: token ids and ``top_k`` within the vocabulary, prompt plus ``max_tokens``
+        within the model's length (``SamplingParams`` holds the absolute bounds)."""
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequest(f"params: expected SamplingParams, got {type(params).__name__}")
         if params.seed is None and params.temperature > 0:
             # P samples the first token and D the rest: both must draw from the same seed.
             params = msgspec.structs.replace(params, seed=secrets.randbits(63))
         if (prompt is None) == (token_ids is None):
             raise InvalidRequest("give exactly one of prompt and token_ids")
-        ids = list(token_ids) if token_ids is not None else self.tokenizer.encode(str(prompt))
+        ids = self._encode(prompt) if token_ids is None else _token_ids(token_ids)
         if not ids:
-            raise InvalidRequest("the prompt is empty")
-        vocab = self.tokenizer.vocab_size
-        if any(not 0 <= t < vocab for t in ids):
-            raise InvalidRequest(f"token ids must lie in 0..{vocab - 1}")
+            raise InvalidRequest("prompt: the prompt is empty")
+        vocab = min(self.tokenizer.vocab_size, self.vocab_size or self.tokenizer.vocab_size)
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequest(f"prompt: token id {bad} is outside the vocabulary 0..{vocab - 1}")
+        params.check_for_model(vocab)
         if self.max_model_len and len(ids) + params.max_tokens > self.max_model_len:
             raise CapacityError(
                 f"the prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds the "
                 f"model's length of {self.max_model_len} tokens"
             )
         return GenRequest(request_id=request_id or uuid.uuid4().hex, prompt_token_ids=ids, params=params)
+
+    def _encode(self, prompt: object) -> list[int]:
+        try:
+            return self.tokenizer.encode(str(prompt))
+        except Exception as exc:  # e.g. a string the tokenizer's encoding cannot represent
+            raise InvalidRequest(f"prompt: it cannot be tokenized ({type(exc).__name__})") from None
 
     async def stream(
         self,
@@ -339,6 +356,24 @@ def _as_config(config: PipelineConfig | dict[str, Any] | str | Path) -> Pipeline
     if isinstance(config, dict):
         return parse_pipeline_config(config)
     return load_config(config)
+
+
+def _token_ids(token_ids: object) -> list[int]:
+    """A token-id prompt as a list of ints (InvalidRequest for anything else, or one too long)."""
+    if isinstance(token_ids, (str, bytes)) or not hasattr(token_ids, "__len__"):
+        raise InvalidRequest(f"token_ids: expected a list of token ids, got {type(token_ids).__name__}")
+    if len(token_ids) > MAX_TOKENS_CAP:
+        raise InvalidRequest(f"token_ids: {len(token_ids)} ids; at most {MAX_TOKENS_CAP} are allowed")
+    try:
+        return [_token_id(t) for t in token_ids]  # type: ignore[attr-defined]
+    except TypeError:
+        raise InvalidRequest("token_ids: every token id must be an integer") from None
+
+
+def _token_id(value: object) -> int:
+    if isinstance(value, bool):
+        raise TypeError("a bool is not a token id")
+    return operator.index(value)  # type: ignore[arg-type]  # ints and numpy ints; floats raise
 
 
 def _ensure_ray() -> None:

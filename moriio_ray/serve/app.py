@@ -22,7 +22,7 @@ from starlette.types import Receive, Scope, Send
 
 from moriio_ray.config import PipelineConfig, parse_pipeline_config
 from moriio_ray.errors import ConfigError
-from moriio_ray.serve.errors import too_large
+from moriio_ray.serve.errors import bad_request, too_large
 from moriio_ray.serve.handler import MAX_BODY_BYTES, JSONReply, OpenAIServer, StreamReply, error_reply
 from moriio_ray.serve.prepare import Limits
 
@@ -64,12 +64,16 @@ class SSEResponse(StreamingResponse):
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
         self._close = reply.close
+        self._begin = reply.begin
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self._begin()  # before any await: from here on the finally below owns the close
         try:
             await super().__call__(scope, receive, send)
         finally:
-            await self._close()  # a client that left mid-stream cancels its request here
+            # A client that left mid-stream cancels its request here. In a task of its own, so that
+            # a second cancellation of this one cannot cut the close short.
+            await asyncio.shield(asyncio.ensure_future(self._close()))
 
 
 def _json(reply: JSONReply) -> Response:
@@ -113,7 +117,12 @@ class OpenAIIngress:
         root = str(request.scope.get("root_path", ""))
         if root and path.startswith(root):
             path = path[len(root) :]
-        reply = await self.server.handle(request.method, path, await request.body())
+        try:
+            body = await request.body()
+        except Exception as exc:  # the client left while sending, or sent a broken body
+            log.info("could not read a request body: %r", exc)
+            return _json(error_reply(bad_request("the request body could not be read", code="bad_body")))
+        reply = await self.server.handle(request.method, path, body)
         if isinstance(reply, JSONReply):
             return _json(reply)
         return SSEResponse(reply)

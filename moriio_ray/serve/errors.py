@@ -1,13 +1,17 @@
 """OpenAI-shaped HTTP errors, and the mapping from this package's typed errors to them.
 
 Every error the front end answers has the body ``{"error": {"message", "type", "param", "code"}}``.
-Malformed input is always a 4xx; a 5xx means the pipeline itself failed or is unavailable.
+Malformed input is always a 4xx; a 5xx means the pipeline itself failed or is unavailable. A body
+never carries a traceback, a file path or terminal colour codes: a 503 says in one line what is
+unavailable, and a 500 only names the request id, with the detail in the server log.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
+import uuid
 
 import msgspec
 
@@ -15,11 +19,15 @@ from moriio_ray.errors import (
     CapacityError,
     ConfigError,
     DeadlineExceeded,
+    EngineFailed,
     InvalidRequest,
     Overloaded,
     RequestCancelled,
     TransferError,
 )
+
+log = logging.getLogger(__name__)
+MAX_MESSAGE_CHARS = 300
 
 
 class ErrorInfo(msgspec.Struct, kw_only=True):
@@ -85,33 +93,80 @@ def unavailable(message: str) -> APIError:
 _FIELD_PREFIX = re.compile(r"^(?P<field>[A-Za-z_][A-Za-z0-9_\[\]\.]*): ")
 
 
-def from_exception(exc: BaseException, *, validating: bool) -> APIError:
+def internal_error(request_id: str | None = None) -> APIError:
+    """The 500 a client sees for a fault of the server: a generic message and the request id (the
+    caller logs the detail under that id)."""
+    rid = request_id or uuid.uuid4().hex
+    return APIError(
+        500,
+        f"the server failed to serve this request (request id {rid}); the details are in its log",
+        type="server_error",
+        code="internal_error",
+    )
+
+
+def from_exception(exc: BaseException, *, validating: bool, request_id: str | None = None) -> APIError:
     """The APIError for an exception raised while serving a request.
 
     ``validating`` is True while the request is being checked and tokenized (before any engine
     work): a CapacityError there means the prompt cannot fit (400); later it means that no worker
-    could take the request (503).
+    could take the request (503). Anything unexpected is a generic 500 (``internal_error``), its
+    detail logged under ``request_id``.
     """
     if isinstance(exc, APIError):
         return exc
+    exc = _cause(exc)
+    text = public_text(exc)
     if isinstance(exc, InvalidRequest):
-        match = _FIELD_PREFIX.match(str(exc))
-        return bad_request(str(exc), param=match.group("field") if match else None)
+        match = _FIELD_PREFIX.match(text)
+        return bad_request(text, param=match.group("field") if match else None)
     if isinstance(exc, CapacityError):
         if validating:
-            return bad_request(str(exc), param="max_tokens", code="context_length_exceeded")
-        return unavailable(str(exc))
+            return bad_request(text, param="max_tokens", code="context_length_exceeded")
+        return unavailable(text)
     if isinstance(exc, Overloaded):
-        return APIError(429, str(exc), type="rate_limit_error", code="too_many_requests")
+        return APIError(429, text, type="rate_limit_error", code="too_many_requests")
     if isinstance(exc, (DeadlineExceeded, asyncio.TimeoutError)):
-        return unavailable(f"the pipeline did not answer in time: {exc or 'timeout'}; retry later")
-    if isinstance(exc, (TransferError, RequestCancelled, ConfigError)):
-        return unavailable(f"the pipeline could not serve the request: {exc}")
+        return unavailable(f"the pipeline did not answer in time: {text or 'timeout'}; retry later")
+    if isinstance(exc, (TransferError, RequestCancelled, ConfigError, EngineFailed)):
+        return unavailable(f"the pipeline could not serve the request: {text}")
     if _is_ray_actor_error(exc):
         return unavailable(f"a pipeline worker is unavailable ({type(exc).__name__}); retry shortly")
-    return APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error", code="internal")
+    err = internal_error(request_id)
+    log.error("internal error serving request %s", request_id, exc_info=exc)
+    return err
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+def public_text(exc: BaseException) -> str:
+    """An error's message fit for a response body: the first line, no colour codes, cut short.
+
+    A Ray task error's text is the whole remote traceback (paths, pid, colour codes); its cause,
+    the exception raised on the worker, is what the client is told about.
+    """
+    text = _ANSI.sub("", str(_cause(exc))).strip()
+    line = text.splitlines()[0] if text else ""
+    if line.startswith("Traceback") or line.startswith("ray::"):
+        return type(exc).__name__
+    return line if len(line) <= MAX_MESSAGE_CHARS else line[: MAX_MESSAGE_CHARS - 3] + "..."
+
+
+def _cause(exc: BaseException) -> BaseException:
+    """The exception a worker raised, for one that Ray re-raised here as a RayTaskError."""
+    for _ in range(8):  # a chain of remote calls wraps once per hop
+        cause = getattr(exc, "cause", None)
+        if not isinstance(cause, BaseException) or not _is_ray_error(exc, "RayTaskError"):
+            break
+        exc = cause
+    return exc
 
 
 def _is_ray_actor_error(exc: BaseException) -> bool:
+    return _is_ray_error(exc, "RayActorError", "ActorDiedError")
+
+
+def _is_ray_error(exc: BaseException, *names: str) -> bool:
     # Checked by name so that this module (and its unit tests) need no Ray import.
-    return any(cls.__name__ in ("RayActorError", "ActorDiedError") for cls in type(exc).__mro__)
+    return any(cls.__name__ in names for cls in type(exc).__mro__)

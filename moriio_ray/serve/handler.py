@@ -5,7 +5,12 @@ ingress (``app.py``) only turns those into HTTP responses. A generation request 
 tokenized first (400/404 for bad input), then admitted (429 beyond the bound), then its first
 pipeline event is awaited before any status is sent, so that an unavailable pipeline is a 503 and
 not a broken 200 stream. Closing a stream (or cancelling the task awaiting it) closes the pipeline
-stream, which cancels the request on its workers and frees its KV blocks.
+stream, which cancels the request on its workers and frees its KV blocks. A stream whose response
+never starts (the client left right after the headers were due, and Serve dropped the response) is
+closed by a timer ``STREAM_START_TIMEOUT_S`` later, never left to the garbage collector.
+
+No failure escapes ``handle``: bad input is a 4xx naming the field, anything unexpected a generic
+500 naming the request id, with the detail in the server log.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -20,7 +26,15 @@ from typing import Any, Protocol
 import msgspec
 
 from moriio_ray.serve.admission import Admission, Slot
-from moriio_ray.serve.errors import APIError, ErrorBody, from_exception, too_large, unavailable
+from moriio_ray.serve.errors import (
+    APIError,
+    ErrorBody,
+    bad_request,
+    from_exception,
+    internal_error,
+    too_large,
+    unavailable,
+)
 from moriio_ray.serve.openai import ChatCompletionRequest, CompletionRequest, parse_request
 from moriio_ray.serve.prepare import Limits, Prepared, TokenizerLike, prepare_chat, prepare_completion
 from moriio_ray.serve.responses import SSE_DONE, ChatFormat, CompletionFormat, sse, usage
@@ -28,6 +42,7 @@ from moriio_ray.serve.responses import SSE_DONE, ChatFormat, CompletionFormat, s
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 16 << 20  # a larger body is a 413; 16 MiB holds any prompt a served model accepts
+STREAM_START_TIMEOUT_S = 5.0  # a stream reply not started by then was dropped: cancel its request
 HEALTH_TIMEOUT_S = 5.0
 STATS_TIMEOUT_S = 15.0
 
@@ -71,10 +86,12 @@ class JSONReply:
 
 @dataclass
 class StreamReply:
-    """An SSE stream. ``close`` must run however the response ends (it is idempotent)."""
+    """An SSE stream. ``begin`` says that its response starts (else the request is cancelled
+    ``STREAM_START_TIMEOUT_S`` later); ``close`` must run however the response ends (idempotent)."""
 
     frames: AsyncIterator[bytes]
     close: Callable[[], Awaitable[None]]
+    begin: Callable[[], None] = lambda: None
 
 
 Reply = JSONReply | StreamReply
@@ -103,6 +120,7 @@ class OpenAIServer:
         self.request_timeout_s = request_timeout_s
         self.live_roles = live_roles
         self.started_unix = int(time.time())
+        self._cleanups: set[asyncio.Future[None]] = set()  # closes of dropped streams, kept alive
 
     async def handle(self, method: str, path: str, body: bytes) -> Reply:
         """Serve one HTTP request; every failure becomes an OpenAI-shaped error reply."""
@@ -110,6 +128,10 @@ class OpenAIServer:
             return await self._route(method, path.rstrip("/") or "/", body)
         except APIError as err:
             return error_reply(err)
+        except Exception as exc:  # a fault of ours: a generic 500, the detail in the log only
+            rid = uuid.uuid4().hex
+            log.error("internal error serving %s %s (request id %s)", method, path[:200], rid, exc_info=exc)
+            return error_reply(internal_error(rid))
 
     async def _route(self, method: str, path: str, body: bytes) -> Reply:
         routes: dict[str, tuple[str, Callable[[bytes], Awaitable[Reply]]]] = {
@@ -145,7 +167,11 @@ class OpenAIServer:
     def _prepare(self, fn: Callable[[], Prepared]) -> Prepared:
         try:
             return fn()
-        except Exception as exc:  # the tokenizer or chat template can raise on odd input
+        except (UnicodeError, RecursionError, OverflowError) as exc:  # a tokenizer on odd input
+            raise bad_request(
+                f"the prompt cannot be tokenized ({type(exc).__name__})", code="invalid_prompt"
+            ) from None
+        except Exception as exc:
             raise from_exception(exc, validating=True) from None
 
     async def _generate(self, prepared: Prepared, fmt: Format, *, stream: bool, include_usage: bool) -> Reply:
@@ -163,17 +189,41 @@ class OpenAIServer:
         except BaseException as exc:
             await _close(events, slot)
             if isinstance(exc, Exception):
-                raise from_exception(exc, validating=False) from None
+                raise from_exception(exc, validating=False, request_id=fmt.id) from None
             raise
         if stream:
-            frames = self._frames(fmt, first, events, deadline, include_usage, slot)
-            return StreamReply(frames=frames, close=lambda: _close(events, slot, frames))
+            return self._stream_reply(fmt, first, events, deadline, include_usage, slot)
         try:
             return JSONReply(200, await self._whole(fmt, first, events, deadline))
         except Exception as exc:
-            raise from_exception(exc, validating=False) from None
+            raise from_exception(exc, validating=False, request_id=fmt.id) from None
         finally:
             await _close(events, slot)
+
+    def _stream_reply(
+        self,
+        fmt: Format,
+        first: Any,
+        events: AsyncIterator[Any],
+        deadline: _Deadline,
+        include_usage: bool,
+        slot: Slot,
+    ) -> StreamReply:
+        def abandon() -> None:
+            # Serve dropped the response without starting it (its task was cancelled in between):
+            # cancel the request now instead of when the garbage collector finds the stream.
+            log.warning("stream %s was never started (the client left); cancelling it", fmt.id)
+            task = asyncio.ensure_future(_close(events, slot, frames))
+            self._cleanups.add(task)
+            task.add_done_callback(self._cleanups.discard)
+
+        async def close() -> None:
+            timer.cancel()
+            await _close(events, slot, frames)
+
+        timer = asyncio.get_running_loop().call_later(STREAM_START_TIMEOUT_S, abandon)
+        frames = self._frames(fmt, first, events, deadline, include_usage, slot, timer.cancel)
+        return StreamReply(frames=frames, close=close, begin=timer.cancel)
 
     async def _whole(self, fmt: Format, event: Any, events: AsyncIterator[Any], deadline: _Deadline) -> bytes:
         ids, texts, logprobs = [*event.token_ids], [event.text], [*(event.logprobs or [])]
@@ -194,7 +244,9 @@ class OpenAIServer:
         deadline: _Deadline,
         include_usage: bool,
         slot: Slot,
+        begin: Callable[[], None],
     ) -> AsyncIterator[bytes]:
+        begin()
         try:
             try:
                 if isinstance(fmt, ChatFormat):
@@ -208,7 +260,7 @@ class OpenAIServer:
                 if include_usage:
                     yield fmt.usage_chunk(usage(event.num_prompt_tokens, event.num_output_tokens))
             except Exception as exc:  # the status is already sent: report in the stream, then end it
-                err = from_exception(exc, validating=False)
+                err = from_exception(exc, validating=False, request_id=fmt.id)
                 log.warning("stream %s failed: %s", fmt.id, err)
                 yield sse(ErrorBody(error=err.info))
             yield SSE_DONE
@@ -232,7 +284,7 @@ class OpenAIServer:
         try:
             roles = await asyncio.wait_for(self.live_roles(), HEALTH_TIMEOUT_S)
         except Exception as exc:
-            raise unavailable(f"the pipeline's coordinator did not answer: {exc!r}") from None
+            raise unavailable(f"the pipeline's coordinator did not answer ({type(exc).__name__})") from None
         ok = roles.get("colocated", 0) > 0 or (roles.get("prefill", 0) > 0 and roles.get("decode", 0) > 0)
         if not ok:
             raise unavailable(f"the pool has no complete set of live workers: {roles}")
@@ -243,7 +295,7 @@ class OpenAIServer:
         try:
             stats = await asyncio.wait_for(self.pipe.stats_async(), STATS_TIMEOUT_S)
         except Exception as exc:
-            raise unavailable(f"the pipeline's stats are unavailable: {exc!r}") from None
+            raise unavailable(f"the pipeline's stats are unavailable ({type(exc).__name__})") from None
         stats["ingress"] = self.admission.stats()
         return JSONReply(200, msgspec.json.encode(stats))
 

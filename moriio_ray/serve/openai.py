@@ -103,8 +103,12 @@ def parse_request(body: bytes, type_: type[T]) -> T:
     """Decode and validate a request body, raising a 400 APIError that names the offending field."""
     try:
         data = msgspec.json.decode(body)
-    except msgspec.DecodeError as exc:
+    except msgspec.DecodeError as exc:  # malformed, bad encoding, a number out of range, ...
         raise bad_request(f"the body is not valid JSON: {exc}", code="invalid_json") from None
+    except RecursionError:
+        raise bad_request("the body is nested too deeply to be a request", code="invalid_json") from None
+    except Exception as exc:  # whatever else a decoder may raise on hostile bytes is still bad input
+        raise bad_request(f"the body is not valid JSON ({type(exc).__name__})", code="invalid_json") from None
     if not isinstance(data, dict):
         raise bad_request(f"the body must be a JSON object, not {_json_kind(data)}", code="invalid_json")
     _reject_transfer_fields(data)
@@ -120,6 +124,8 @@ def parse_request(body: bytes, type_: type[T]) -> T:
         return msgspec.convert(data, type_)
     except msgspec.ValidationError as exc:
         raise _validation_error(exc) from None
+    except RecursionError:
+        raise bad_request("the body is nested too deeply to be a request", code="invalid_json") from None
 
 
 def _reject_transfer_fields(data: dict[str, Any]) -> None:

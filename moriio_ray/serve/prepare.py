@@ -8,6 +8,7 @@ Without ``max_tokens`` the server uses ``serve.default_max_tokens``, cut to the 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -185,6 +186,6 @@ def _sampling(
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
         )
-    except InvalidRequest as exc:
-        field = str(exc).split(":", 1)[0]
+    except InvalidRequest as exc:  # SamplingParams' bounds: "field[: or [index]]: ..."
+        field = re.split(r"[:\[]", str(exc), maxsplit=1)[0]
         raise bad_request(str(exc), param=field) from None

@@ -6,6 +6,8 @@ and an epoch, so that a restarted peer is never mistaken for its stale predecess
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 import msgspec
 
 SCHEMA_VERSION = 1
@@ -39,14 +41,26 @@ class EngineDesc(msgspec.Struct, **_DESC):  # type: ignore[call-arg]
     schema_version: int = SCHEMA_VERSION
 
 
+_D = TypeVar("_D", "MemoryDesc", "EngineDesc")
+
+
 def encode_desc(desc: MemoryDesc | EngineDesc) -> bytes:
     """msgpack bytes of a descriptor."""
     return msgspec.msgpack.encode(desc)
 
 
 def decode_engine_desc(data: bytes) -> EngineDesc:
-    return msgspec.msgpack.decode(data, type=EngineDesc)
+    """An EngineDesc from msgpack bytes; msgspec.DecodeError for anything else."""
+    return _decode(data, EngineDesc)
 
 
 def decode_memory_desc(data: bytes) -> MemoryDesc:
-    return msgspec.msgpack.decode(data, type=MemoryDesc)
+    """A MemoryDesc from msgpack bytes; msgspec.DecodeError for anything else."""
+    return _decode(data, MemoryDesc)
+
+
+def _decode(data: bytes, type_: type[_D]) -> _D:
+    try:
+        return msgspec.msgpack.decode(data, type=type_)
+    except RecursionError:  # msgspec skips an unknown field's value recursively: deep nesting
+        raise msgspec.DecodeError(f"{type_.__name__}: the data is nested too deeply") from None

@@ -18,8 +18,9 @@ from moriio_ray import env
 from moriio_ray.config import PipelineConfig
 from moriio_ray.engine.engine import Engine
 from moriio_ray.engine.outputs import StepOutput
-from moriio_ray.errors import ConfigError, DeadlineExceeded, MoriioRayError, RequestCancelled
-from moriio_ray.runtime.messages import GenRequest, Handoff, KVHandle, RequestOutput, Role
+from moriio_ray.errors import ConfigError, DeadlineExceeded, EngineFailed, MoriioRayError, RequestCancelled
+from moriio_ray.runtime import detached
+from moriio_ray.runtime.messages import GenRequest, Handoff, KVHandle, RequestOutput, Role, error_from
 from moriio_ray.transfer import create_agent
 from moriio_ray.transfer.handle import Transfer
 from moriio_ray.worker.engine_loop import EngineLoop
@@ -95,6 +96,7 @@ class WorkerCore:
         }
         self._loop: EngineLoop | None = None
         self._background: set[asyncio.Future[Any]] = set()
+        self._quarantined: set[str] = set()  # engine ids whose blocks a late transfer may write
         self._closed = False
 
     @property
@@ -104,9 +106,10 @@ class WorkerCore:
             self.spawn(self._watch_callers())
         return self._loop
 
-    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
-        """Run ``coro`` in the background; it is kept alive and its failure logged."""
-        task = asyncio.ensure_future(coro)
+    def spawn(self, coro: Coroutine[Any, Any, Any], *, detach: bool = False) -> asyncio.Task[Any]:
+        """Run ``coro`` in the background; it is kept alive and its failure logged. ``detach``:
+        outside the current request's Ray task lineage (see ``runtime/detached.py``)."""
+        task = detached.spawn(coro) if detach else asyncio.ensure_future(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
         return task
@@ -119,7 +122,9 @@ class WorkerCore:
             if rec is None:
                 continue  # aborted meanwhile
             first = rec.prefill_out
-            if first is not None:  # the prefill's output answers the call waiting for it
+            if out.error is not None:  # this request failed in the engine (which goes on)
+                self.fail(rec, error_from(*out.error))
+            elif first is not None:  # the prefill's output answers the call waiting for it
                 rec.prefill_out = None  # (colocated: the later outputs go to the stream)
                 if not first.done():
                     first.set_result(out)
@@ -132,17 +137,20 @@ class WorkerCore:
                 self.table.close(rec)
 
     def on_fault(self, exc: BaseException) -> None:
-        """The engine failed: every request on this worker ends with the error (none hangs)."""
-        reason = f"engine of {self.key} failed: {exc!r}"
+        """The engine itself failed: every request on this worker ends with EngineFailed (none
+        hangs), and the coordinator's health check replaces the worker."""
+        failure = EngineFailed(f"the engine of {self.key} failed ({type(exc).__name__}); retry the request")
         for rec in self.table.records():
-            if rec.prefill_out is not None:
-                if not rec.prefill_out.done():
-                    rec.prefill_out.set_exception(MoriioRayError(reason))
-            elif rec.caller is not None:
-                self.fail(rec, MoriioRayError(reason))
+            self.fail(rec, failure)
 
     def fail(self, rec: WorkerRequest, exc: BaseException) -> None:
-        """End a streaming request with a typed error on its caller's stream."""
+        """End a request with a typed error: through the call waiting for its prefill, or on its
+        caller's output stream."""
+        first, rec.prefill_out = rec.prefill_out, None
+        if first is not None:
+            if not first.done():
+                first.set_exception(exc)
+            return  # the call that waited for it ends the request (and closes its record)
         self.table.close(rec)
         if rec.caller is not None:
             name = type(exc).__name__ if isinstance(exc, MoriioRayError) else "MoriioRayError"
@@ -172,6 +180,8 @@ class WorkerCore:
             engine_id = rec.engine_id
         else:
             engine_id = request_id
+        if engine_id in self._quarantined:
+            return  # a late abort: the quarantine frees these blocks once the transfer has ended
         await self.loop.call_now(lambda: self.engine.abort(engine_id))
 
     def abort_caller(self, caller: str) -> None:
@@ -203,12 +213,15 @@ class WorkerCore:
                 await asyncio.to_thread(xfer.wait, max_wait_s)
             except Exception:
                 pass  # failed or still running after max_wait_s: either way it is over for us
+            self._quarantined.discard(engine_id)
             self.loop.post(lambda: self.engine.abort(engine_id))
 
+        self._quarantined.add(engine_id)
         self.spawn(free_later())
 
     def release_lease(self, handle: KVHandle) -> None:
-        """Tell P to free a lease (fire and forget: P frees it at lease + grace anyway)."""
+        """Tell P to free a lease (fire and forget: P frees it at lease + grace anyway). Sent
+        outside the calling request's task lineage, so that no cancellation of it can lose this."""
 
         async def release() -> None:
             try:
@@ -217,7 +230,7 @@ class WorkerCore:
             except Exception as exc:  # P gone: its lease went with it
                 log.info("could not release %s on %s: %r", handle.transfer_id, handle.engine_key, exc)
 
-        self.spawn(release())
+        self.spawn(release(), detach=True)
 
     async def reserve_blocks(self, req: GenRequest, engine_id: str, deadline_s: float) -> list[int]:
         """Reserve blocks for ``req``; wait for the engine to free some, up to ``deadline_s``

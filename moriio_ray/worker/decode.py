@@ -18,6 +18,7 @@ import time
 
 from moriio_ray import metrics
 from moriio_ray.errors import DeadlineExceeded, MoriioRayError, TransferError, TransferTimeout
+from moriio_ray.runtime.detached import send
 from moriio_ray.runtime.messages import (
     DecodeStart,
     GenRequest,
@@ -153,7 +154,10 @@ class DecodeSide:
             raise
         except (MoriioRayError, TimeoutError) as exc:
             return await self._recompute(rec, req, h, exc, xfer, handoff_unix)
-        await self._start(rec, h.first_token)
+        try:
+            await self._start(rec, h.first_token)
+        finally:  # the read has ended: P's lease goes, whatever happens to the start (a cancel)
+            send(peer.actor.release, h.transfer_id)  # after the hand-over: off the critical path
         start = DecodeStart(
             handoff_unix=handoff_unix,
             decode_start_unix=time.time(),
@@ -161,7 +165,6 @@ class DecodeSide:
             transfer_bytes=xfer.num_bytes,
             transfer_segments=xfer.num_segments,
         )
-        peer.actor.release.remote(h.transfer_id)  # after the hand-over: off the critical path
         c.counters["transfers"] += 1
         c.counters["transfer_bytes"] += xfer.num_bytes
         metrics.record_transfer(

@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 
 from moriio_ray.engine.engine import Engine
 from moriio_ray.engine.outputs import StepOutput
+from moriio_ray.errors import EngineFailed
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -60,7 +61,7 @@ class EngineLoop:
     async def call(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` on the engine thread and return its result (or raise its error)."""
         if self._stop.is_set():
-            raise RuntimeError(f"engine loop is stopped: {self.error!r}")
+            raise self._stopped_error()
         fut: asyncio.Future[T] = self._loop.create_future()
         self._calls.put((fn, fut))
         return await fut
@@ -114,11 +115,18 @@ class EngineLoop:
                 elif self._step_waiters:
                     self._loop.call_soon_threadsafe(self._dispatch, [])
             except BaseException as exc:  # an engine fault must not hang every request
+                # (a fault of one request ends that request inside step; what reaches here is the
+                # engine's own: a device error, out of memory)
                 log.exception("engine loop failed")
                 self.error = exc
                 self._stop.set()
-                self._drain_calls(exc)
+                self._drain_calls(self._stopped_error())
                 self._loop.call_soon_threadsafe(self._fail, exc)
+
+    def _stopped_error(self) -> EngineFailed:
+        if self.error is None:
+            return EngineFailed("the engine loop is stopped (the worker is shutting down)")
+        return EngineFailed(f"the engine failed ({type(self.error).__name__}); retry the request")
 
     def _drain_calls(self, exc: BaseException) -> None:
         """After a fault: every call still queued fails with it (none waits for its deadline)."""
@@ -173,7 +181,7 @@ class EngineLoop:
     def _fail(self, exc: BaseException) -> None:
         for fut in self._step_waiters:
             if not fut.done():
-                fut.set_exception(exc)
+                fut.set_exception(self._stopped_error())
         self._step_waiters = []
         self._on_failure(exc)
 

@@ -12,6 +12,7 @@ import time
 from moriio_ray import metrics
 from moriio_ray.engine.outputs import PrefillResult
 from moriio_ray.runtime.deadline import deadline
+from moriio_ray.runtime.detached import send
 from moriio_ray.runtime.messages import GenRequest, Handoff, KVHandle, PeerRef, PushResult, Reservation
 from moriio_ray.worker.core import WorkerCore
 from moriio_ray.worker.push import LayerPusher, push_targets
@@ -118,7 +119,7 @@ class PrefillSide:
         """Hand the result straight to D (one Ray call; the caller gets its own copy)."""
         if to is not None:
             peer = await self.core.peers.get(to.key, to.epoch)
-            peer.actor.deliver.remote(request_id, result)
+            send(peer.actor.deliver, request_id, result)  # D releases what it cannot use
 
     async def release(self, transfer_id: str) -> bool:
         """D has read (or given up on) a lease: free P's blocks now."""

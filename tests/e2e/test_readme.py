@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from moriio_ray.serve.process import ServeProcess
+from tests.e2e.serving import running
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
@@ -99,19 +100,8 @@ def _not_run(block: Block) -> str | None:
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServeProcess]:
-    proc = ServeProcess(_make_default_config())
-    proc.start()
-    try:
-        proc.wait_healthy(timeout_s=300)
+    with running(_make_default_config(), start_timeout_s=300) as proc:
         yield proc
-    finally:
-        if proc.proc is not None and proc.proc.poll() is None:
-            try:
-                proc.stop(timeout_s=60)
-            except Exception:
-                pass
-        proc.kill()
-        proc.remove_work_dir()
 
 
 def _run(block: Block, server: ServeProcess | None, timeout_s: float) -> str:

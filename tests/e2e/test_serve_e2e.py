@@ -21,6 +21,7 @@ import pytest
 
 from moriio_ray.serve.process import ServeProcess
 from moriio_ray.transfer.shm_segment import SHM_DIR
+from tests.e2e.serving import running
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny_1p1d_cpu.yaml"
 MODEL = "tiny"
@@ -29,19 +30,8 @@ MAX_MODEL_LEN = 2048  # configs/tiny_1p1d_cpu.yaml
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServeProcess]:
-    proc = ServeProcess(CONFIG)
-    proc.start()
-    try:
-        proc.wait_healthy(timeout_s=240)
+    with running(CONFIG, start_timeout_s=240) as proc:
         yield proc
-    finally:
-        if proc.proc is not None and proc.proc.poll() is None:
-            try:
-                proc.stop(timeout_s=60)
-            except Exception:
-                pass
-        proc.kill()
-        proc.remove_work_dir()
 
 
 @pytest.fixture(scope="module")
