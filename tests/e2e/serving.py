@@ -26,3 +26,26 @@ def running(config: str | Path, *, start_timeout_s: float = 240.0) -> Iterator[S
                 pass
         proc.kill()
         proc.remove_work_dir()
+
+
+class Shared:
+    """One ``serve run`` for every test module that serves the same config (each start costs tens
+    of seconds on 2 cores). ``get`` starts it, or starts a new one where a test stopped it (the
+    clean-shutdown test does); ``close`` ends whatever runs, at the end of the session."""
+
+    def __init__(self, config: str | Path, *, start_timeout_s: float = 240.0) -> None:
+        self.config, self.start_timeout_s = config, start_timeout_s
+        self._stack: contextlib.ExitStack | None = None
+        self._proc: ServeProcess | None = None
+
+    def get(self) -> ServeProcess:
+        if self._proc is None or self._proc.proc is None or self._proc.proc.poll() is not None:
+            self.close()
+            self._stack = contextlib.ExitStack()
+            self._proc = self._stack.enter_context(running(self.config, start_timeout_s=self.start_timeout_s))
+        return self._proc
+
+    def close(self) -> None:
+        stack, self._stack, self._proc = self._stack, None, None
+        if stack is not None:
+            stack.close()

@@ -5,7 +5,7 @@
   block held: every engine's free blocks return promptly, well before kv_lease_s + lease_grace_s;
 - property-based bodies over both endpoints: no 5xx, every 4xx OpenAI-shaped, the server answers
   a valid request afterwards, and no block is leaked.
-One server for the module (its start is the expensive part), as in test_serve_e2e.py.
+The server is the session's, shared with test_serve_e2e.py (its start is the expensive part).
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import json
 import random
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -23,18 +22,17 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from moriio_ray.serve.process import ServeProcess
-from tests.e2e.serving import running
+from tests.e2e.serving import Shared
 from tests.fuzz_bodies import chat_bodies, check_error_body, completion_bodies, encoded
 
-CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny_1p1d_cpu.yaml"
 LEASE_PLUS_GRACE_S = 35.0  # transfer.kv_lease_s + lease_grace_s (the defaults the config keeps)
 FUZZ = settings(max_examples=60, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[ServeProcess]:
-    with running(CONFIG, start_timeout_s=240) as proc:
-        yield proc
+def server(tiny_serve: Shared) -> ServeProcess:
+    """The session's ``serve run configs/tiny_1p1d_cpu.yaml`` (tests/e2e/conftest.py)."""
+    return tiny_serve.get()
 
 
 @pytest.fixture(scope="module")

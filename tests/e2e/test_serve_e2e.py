@@ -1,8 +1,9 @@
 """``serve run configs/tiny_1p1d_cpu.yaml`` as a child process, driven over real HTTP.
 
-One server per module (startup is the expensive part). The child runs a private Ray cluster in its
-own process group and temp dir; the module fixture kills whatever is left of it even when a test
-fails. The clean-shutdown test runs last and stops the server with SIGINT.
+One server for the session, shared with test_hostile_http.py (startup is the expensive part; see
+tests/e2e/conftest.py). The child runs a private Ray cluster in its own process group and temp
+dir; the session fixture kills whatever is left of it even when a test fails. The clean-shutdown
+test runs last and stops the server with SIGINT (a later user of the fixture gets a new one).
 """
 
 from __future__ import annotations
@@ -11,8 +12,6 @@ import asyncio
 import json
 import time
 import urllib.request
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -21,17 +20,16 @@ import pytest
 
 from moriio_ray.serve.process import ServeProcess
 from moriio_ray.transfer.shm_segment import SHM_DIR
-from tests.e2e.serving import running
+from tests.e2e.serving import Shared
 
-CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny_1p1d_cpu.yaml"
 MODEL = "tiny"
 MAX_MODEL_LEN = 2048  # configs/tiny_1p1d_cpu.yaml
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[ServeProcess]:
-    with running(CONFIG, start_timeout_s=240) as proc:
-        yield proc
+def server(tiny_serve: Shared) -> ServeProcess:
+    """The session's ``serve run configs/tiny_1p1d_cpu.yaml`` (tests/e2e/conftest.py)."""
+    return tiny_serve.get()
 
 
 @pytest.fixture(scope="module")
@@ -336,6 +334,6 @@ def test_clean_shutdown_on_sigint(server: ServeProcess) -> None:
     assert left == [], f"processes left after serve run exited: {left}"
     assert server.get("/health")[0] == 0  # nothing listens any more
     assert not [p for p in segments if p.exists()], "shared-memory segments left behind"
-    log = server.log_tail(200_000)
+    log = server.log_tail(1 << 30)  # the whole log: the launch line is near its start
     assert "launched the pipeline 'tiny-1p1d'" in log  # the ingress found no pipeline and started one
     assert "stopped the pipeline 'tiny-1p1d'" in log, "the ingress did not stop the pipeline it launched"
