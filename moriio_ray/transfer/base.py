@@ -31,11 +31,10 @@ from moriio_ray.transfer.desc import (
     decode_memory_desc,
     encode_desc,
 )
-from moriio_ray.transfer.handle import DelayedTransfer, FutureTransfer, Transfer
+from moriio_ray.transfer.handle import FutureTransfer, Transfer
 
 __all__ = [
     "SCHEMA_VERSION",
-    "DelayedTransfer",
     "EngineDesc",
     "FutureTransfer",
     "MemoryDesc",
@@ -129,7 +128,6 @@ class TransferAgent(abc.ABC):
         self._mems: dict[int, MemoryDesc] = {}
         self._next_mem_id = 1
         self._peers: dict[str, EngineDesc] = {}
-        self._delay_s = 0.0
         self._closed = False
 
     # -- memory ---------------------------------------------------------------------------------
@@ -287,8 +285,7 @@ class TransferAgent(abc.ABC):
         check_bounds(
             ro, sz, remote_mem.num_bytes, "remote", f"region {remote_mem.mem_id} of {remote_mem.engine_key!r}"
         )
-        transfer = self._transfer(op, local, local_mem, peer, remote_mem, lo, ro, sz)
-        return DelayedTransfer(transfer, self._delay_s) if self._delay_s > 0 else transfer
+        return self._transfer(op, local, local_mem, peer, remote_mem, lo, ro, sz)
 
     def _peer_for(self, remote_mem: MemoryDesc) -> EngineDesc:
         with self._lock:
@@ -306,10 +303,6 @@ class TransferAgent(abc.ABC):
         if desc.machine_id:
             return desc.machine_id == netinfo.machine_id()
         return desc.host == self._host()
-
-    def inject_delay(self, delay_s: float) -> None:
-        """Test hook: every later transfer reports completion only ``delay_s`` after it was issued."""
-        self._delay_s = delay_s
 
     # -- lifecycle ------------------------------------------------------------------------------
 

@@ -76,33 +76,3 @@ class FutureTransfer(Transfer):
     def elapsed_s(self) -> float:
         end = self.finished_s if self.finished_s is not None else time.perf_counter()
         return end - self.started_s
-
-
-class DelayedTransfer(Transfer):
-    """Test hook: a transfer that reports completion only ``delay_s`` after it was issued."""
-
-    def __init__(self, inner: Transfer, delay_s: float) -> None:
-        self.inner = inner
-        self.num_bytes = inner.num_bytes
-        self.num_segments = inner.num_segments
-        self.peer_key = inner.peer_key
-        self.ready_at_s = time.monotonic() + delay_s
-
-    def done(self) -> bool:
-        return time.monotonic() >= self.ready_at_s and self.inner.done()
-
-    def error(self) -> BaseException | None:
-        return self.inner.error() if self.done() else None
-
-    def wait(self, timeout_s: float | None = None) -> None:
-        start = time.monotonic()
-        remaining = self.ready_at_s - start
-        if timeout_s is not None and remaining > timeout_s:
-            time.sleep(max(timeout_s, 0.0))
-            raise TransferTimeout(
-                f"transfer with {self.peer_key!r} did not finish within {timeout_s} s (delayed)"
-            )
-        if remaining > 0:
-            time.sleep(remaining)
-        left = None if timeout_s is None else max(0.0, timeout_s - (time.monotonic() - start))
-        self.inner.wait(left)

@@ -9,7 +9,8 @@ stream (``outputs``), one message per engine step for all of that caller's reque
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import inspect
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from moriio_ray import metrics
@@ -117,11 +118,16 @@ class EngineWorker:
             **c.counters,
         }
 
-    async def debug_inject_delay(self, delay_s: float) -> None:
-        """Test hook: this worker's transfers report completion only ``delay_s`` after issue."""
-        self.core.agent.inject_delay(delay_s)
-        if self.core.group is not None:
-            await self.core.group.inject_delay(delay_s)
+    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn(core, *args)`` on this worker's event loop, ``core`` being its ``WorkerCore``
+        (awaited if it returns an awaitable); return its result.
+
+        An extension point in the manner of vLLM's ``collective_rpc``: tests install their fault
+        injection through it (tests/faults.py), so that no production class carries a test hook.
+        ``fn`` travels pickled: a function of a module the worker can import. Whoever can call this
+        actor can already run any code in the cluster; this adds no reach."""
+        result = fn(self.core, *args)
+        return await result if inspect.isawaitable(result) else result
 
     async def shutdown(self) -> None:
         await self.core.shutdown()

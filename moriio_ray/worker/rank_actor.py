@@ -11,8 +11,10 @@ replaces the whole engine.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import threading
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -176,9 +178,11 @@ class RankWorker:
         for key in keys:
             self.agent.disconnect(key)
 
-    async def inject_delay(self, delay_s: float) -> None:
-        """Test hook: this rank's transfers report completion only ``delay_s`` after issue."""
-        self.agent.inject_delay(delay_s)
+    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn(self, *args)`` on this rank's event loop (awaited if it returns an awaitable);
+        return its result. The extension point of ``EngineWorker.call``."""
+        result = fn(self, *args)
+        return await result if inspect.isawaitable(result) else result
 
 
 def make_rank_actor_class() -> Any:

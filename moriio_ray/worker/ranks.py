@@ -127,6 +127,3 @@ class RankGroup:
         """A peer engine died: every rank drops its ranks (their transfers fail with PeerLost)."""
         for f in self.followers:
             f.peer_lost.remote(keys)
-
-    async def inject_delay(self, delay_s: float) -> None:
-        await asyncio.gather(*(f.inject_delay.remote(delay_s) for f in self.followers))

@@ -2,7 +2,8 @@
 data, and tcp forced through its GPU staging path on CPU memory.
 
 The production classes carry no test hooks; they call a no-op progress method
-(``ShmAgent._on_copied``, ``TcpServer._on_moved``) that these subclasses override.
+(``ShmAgent._on_copied``, ``TcpServer._on_moved``) or issue through a seam
+(``MoriAgent._issue_segments``) that these subclasses override.
 """
 
 from __future__ import annotations
@@ -10,16 +11,21 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+import numpy as np
 import torch
 
 from moriio_ray.config import TransferConfig
+from moriio_ray.errors import TransferError
 from moriio_ray.transfer import TransferAgent, create_agent
+from moriio_ray.transfer.mori import MoriAgent
+from moriio_ray.transfer.mori_status import MoriTransfer, is_terminal
 from moriio_ray.transfer.shm import ShmAgent
 from moriio_ray.transfer.tcp import TcpAgent
 from moriio_ray.transfer.tcp_region import make_region
 from moriio_ray.transfer.tcp_server import TcpServer
 
 HOLD_MAX_S = 60.0  # a hold never parks a thread longer than this
+HOLD_POLL_S = 0.05
 
 
 class Parking:
@@ -94,7 +100,69 @@ class StagingTcpAgent(HoldingTcpAgent):
         return b""
 
 
-_HOLDING: dict[str, type[TransferAgent]] = {"shm": HoldingShmAgent, "tcp": HoldingTcpAgent}
+def _split_at(sizes: np.ndarray, num_bytes: int) -> int:
+    """How many leading segments hold the first ``num_bytes`` (at least one, and one left if any)."""
+    first = int(np.searchsorted(np.cumsum(sizes), num_bytes)) + 1
+    return max(1, min(first, int(sizes.size) - 1)) if sizes.size > 1 else 1
+
+
+class HoldingMoriAgent(MoriAgent):
+    """mori whose next transfer issues the segments holding its first ``hold_after`` bytes, waits
+    for them, sets ``held`` and parks (on the caller's side: MoRI moves data without the owner)
+    until ``release`` is set; then it issues the rest."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._hold: tuple[int, threading.Event, threading.Event] | None = None
+
+    def hold_after(self, num_bytes: int) -> tuple[threading.Event, threading.Event]:
+        held, release = threading.Event(), threading.Event()
+        self._hold = (num_bytes, held, release)
+        return held, release
+
+    def _issue_segments(
+        self, transfer: MoriTransfer, session: Any, op: str, lo: np.ndarray, ro: np.ndarray, sz: np.ndarray
+    ) -> bool:
+        hold, self._hold = self._hold, None
+        if hold is None:
+            return super()._issue_segments(transfer, session, op, lo, ro, sz)
+        first = _split_at(sz, hold[0])
+        self._issue_batch(transfer, session, op, lo[:first], ro[:first], sz[:first])
+        rest = (lo[first:], ro[first:], sz[first:])
+        threading.Thread(
+            target=self._issue_held_rest, args=(transfer, session, op, rest, hold), daemon=True
+        ).start()
+        return False
+
+    def _issue_held_rest(
+        self,
+        transfer: MoriTransfer,
+        session: Any,
+        op: str,
+        rest: tuple[np.ndarray, np.ndarray, np.ndarray],
+        hold: tuple[int, threading.Event, threading.Event],
+    ) -> None:
+        _, held, release = hold
+        try:
+            while transfer.forced_error is None and not all(is_terminal(s) for s in transfer.statuses):
+                self._waiter(transfer.statuses, HOLD_POLL_S)
+                transfer.done()  # checks the deadline and MoRI's peer failures
+            held.set()
+            release.wait(HOLD_MAX_S)
+            with self._lock:
+                if transfer.forced_error is None and not self._closed and rest[2].size:
+                    self._issue_batch(transfer, session, op, *rest)
+        except Exception as exc:
+            transfer.fail(TransferError(f"issuing the held rest of a transfer failed: {exc!r}"))
+        finally:
+            transfer.finish_issuing()
+
+
+_HOLDING: dict[str, type[TransferAgent]] = {
+    "shm": HoldingShmAgent,
+    "tcp": HoldingTcpAgent,
+    "mori": HoldingMoriAgent,
+}
 
 
 def make_test_agent(

@@ -17,6 +17,7 @@ import torch
 from moriio_ray.errors import PeerLost, SegmentOutOfBounds, StaleDescriptor, TokenRejected, TransferTimeout
 from moriio_ray.transfer import MemoryDesc, Transfer, TransferAgent
 from tests.contract.harness import Harness, Hold, PeerProcess, pattern
+from tests.faults import DelayingAgent
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -217,8 +218,7 @@ class ContractSuite:
     @pytest.mark.timeout(30)
     def test_timeout_with_injected_delay(self, harness: Harness) -> None:
         a, _, ta, ma, _, mb = pair(harness, MiB)
-        a.inject_delay(1.0)
-        x = a.read(ma, mb, [0], [0], [MiB])
+        x = DelayingAgent(a, 1.0).read(ma, mb, [0], [0], [MiB])
         with pytest.raises(TransferTimeout):
             x.wait(0.05)
         assert not x.done()

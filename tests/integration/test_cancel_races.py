@@ -18,6 +18,7 @@ import pytest
 import ray
 
 from moriio_ray import PDPipeline, SamplingParams
+from tests.faults import delay_transfers
 from tests.integration.helpers import assert_no_leaks, leaks, tiny_config, varied_prompts, wait_until
 
 pytestmark = pytest.mark.usefixtures("ray_cpu")
@@ -108,7 +109,7 @@ def test_a_cancelled_read_stays_quarantined_until_the_transfer_ends() -> None:
     try:
         expected = pipe.generate(token_ids=prompt, params=params).token_ids  # also warms the peers
         d = ray.get(pipe.coordinator.lookup.remote(d_key)).actor
-        ray.get(d.debug_inject_delay.remote(delay_s))
+        ray.get(d.call.remote(delay_transfers, delay_s))
 
         async def cancel_mid_read() -> float:
             agen = pipe.stream(token_ids=prompt, params=params, request_id="mid-read")
@@ -140,7 +141,7 @@ def test_a_cancelled_read_stays_quarantined_until_the_transfer_ends() -> None:
         assert d_stats["num_running"] == 0 and d_stats["live_requests"] == 0, d_stats
         # P's lease is freed at once by the abort (its blocks are not the ones being written)
         assert stats[p_key]["num_free_blocks"] == stats[p_key]["num_blocks"], stats[p_key]
-        ray.get(d.debug_inject_delay.remote(0.0))  # later transfers run at full speed
+        ray.get(d.call.remote(delay_transfers, 0.0))  # later transfers run at full speed
         # once the late transfer has ended, the blocks come back
         wait_until(lambda: leaks(pipe.stats()) == {}, delay_s + 5.0, "the quarantined blocks to be freed")
         assert time.monotonic() - t_first >= delay_s - 0.5, "the blocks were freed before the read ended"

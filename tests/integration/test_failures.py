@@ -13,6 +13,7 @@ import ray
 from moriio_ray import PDPipeline, SamplingParams
 from moriio_ray.errors import PeerLost, TransferTimeout
 from moriio_ray.transfer.shm_segment import PREFIX, SHM_DIR
+from tests.faults import delay_transfers
 from tests.integration.helpers import assert_no_leaks, tiny_config, varied_prompts, wait_until
 
 pytestmark = pytest.mark.usefixtures("ray_cpu")
@@ -180,7 +181,7 @@ def test_transfer_delayed_past_deadline(on_failure: str) -> None:
     try:
         expected = pipe.generate(token_ids=prompt, params=params).token_ids
         d = _member(pipe, f"{name}-decode-0").actor
-        ray.get(d.debug_inject_delay.remote(3.0))
+        ray.get(d.call.remote(delay_transfers, 3.0))
         t0 = time.monotonic()
         if on_failure == "recompute":
             result = pipe.generate(token_ids=prompt, params=params)
@@ -198,7 +199,7 @@ def test_transfer_delayed_past_deadline(on_failure: str) -> None:
             1.5,
             "P's lease to be released",
         )
-        ray.get(d.debug_inject_delay.remote(0.0))
+        ray.get(d.call.remote(delay_transfers, 0.0))
         assert_no_leaks(pipe, timeout_s=10)
     finally:
         pipe.shutdown()

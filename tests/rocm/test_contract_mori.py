@@ -36,7 +36,7 @@ pytestmark = [pytest.mark.rocm, pytest.mark.skipif(not _has_mori_and_rocm_gpu(),
 class MoriRdmaHarness(Harness):
     backend = "mori"
     device = "cuda:0"  # ROCm PyTorch calls HIP devices "cuda"
-    hold_side = "client"  # MoriAgent.hold_after parks the rest of a batch on the caller's side
+    hold_side = "client"  # HoldingMoriAgent (tests/contract/hooks.py) parks the rest on the caller's side
     config_overrides: ClassVar[dict[str, Any]] = {"mori": MoriConfig(backend="rdma")}
 
 

@@ -355,14 +355,15 @@ def install(monkeypatch: Any, *, immediate: bool = True) -> Fabric:
 
 @functools.cache
 def cpu_agent_class() -> type:
-    """TEST-ONLY: ``MoriAgent`` that also accepts CPU tensors, since there is no GPU here.
+    """TEST-ONLY: ``MoriAgent`` (the contract suite's holding double of it) that also accepts CPU
+    tensors, since there is no GPU here.
 
     MoRI's RDMA backend registers host memory too (``MemoryLocationType.CPU``); the production
     agent advertises only ``cuda`` because engines keep their KV cache on the GPU.
     """
-    from moriio_ray.transfer.mori import MoriAgent
+    from tests.contract.hooks import HoldingMoriAgent
 
-    class CpuMoriAgent(MoriAgent):
+    class CpuMoriAgent(HoldingMoriAgent):
         memory_kinds = frozenset({"cpu", "cuda"})
 
     return CpuMoriAgent
