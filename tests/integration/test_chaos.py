@@ -21,7 +21,7 @@ import ray
 
 from moriio_ray import PDPipeline, SamplingParams
 from moriio_ray.errors import MoriioRayError
-from tests.integration.helpers import assert_no_leaks, tiny_config, varied_prompts
+from tests.integration.helpers import assert_no_leaks, tiny_config, varied_prompts, wait_until
 from tests.integration.reference import colocated_tokens
 
 pytestmark = pytest.mark.usefixtures("ray_cpu")
@@ -157,8 +157,16 @@ def test_kills_and_cancels_under_load(backend: str, mode: str) -> None:
             else:
                 assert o.tokens == reference[o.prompt][: len(o.tokens)], f"prompt {o.prompt}: wrong prefix"
 
-        # Every killed worker has come back (the killer waited for it); the pipeline serves and
-        # nothing stays held.
+        # Every killed worker has come back (the killer waited for it) and the router sees it; the
+        # pipeline serves and nothing stays held.
+        def routed() -> bool:
+            for key in killed:
+                now, seen = ray.get(pipe.coordinator.lookup.remote(key)), pipe.router.membership.find(key)
+                if seen is None or seen.epoch != now.epoch:
+                    return False
+            return True
+
+        wait_until(routed, 20, "the router to see the replacements")
         after = pipe.generate_batch(prompts[:4], PARAMS, max_concurrency=4)
         assert [r.token_ids for r in after] == reference[:4]
         assert_no_leaks(pipe, timeout_s=20)
