@@ -1,7 +1,8 @@
-"""A bounded chaos run: workers killed every few seconds under load, with some requests cancelled.
+"""A bounded chaos run: workers killed under load, with some requests cancelled.
 
-Requests stream through a 2P2D pipeline while a killer takes down a random prefill or decode worker
-every 3-5 s and about 10 % of the requests are cancelled at a random point. Checks, for every
+Requests stream through a 2P2D pipeline (8 in flight) while a killer takes down a random prefill
+worker and a random decode worker, one at a time (2-4 s apart, each once the previous victim's
+replacement serves), and about 10 % of the requests are cancelled at a random point. Checks, for every
 request: it ends (no request outlives its bound), a completed one carries exactly the colocated
 engine's greedy tokens, a failed one fails with a typed error (``MoriioRayError``), never anything
 else. After the run every killed worker has been replaced, the pipeline serves a valid request
