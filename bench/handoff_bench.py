@@ -1,7 +1,8 @@
 """Handoff overhead of a PD request, beside the colocated TTFT, in one run.
 
-For each backend (and mode), a 1P1D pipeline serves --requests requests one at a time
-(max_tokens=2, so every request goes through P, the transfer and D's first decode step):
+For each backend (and mode), a 1P1D pipeline serves --requests requests at each of the
+--concurrency levels (1: one at a time; c > 1: c in flight, a new one as soon as one ends), with
+max_tokens=2, so that every request goes through P, the transfer and D's first decode step:
 
     handoff = D accepts the request for decoding - P finished its prefill - raw KV transfer time
 
@@ -10,8 +11,11 @@ transfer time is the read's issue-to-complete time measured on D (READ), or P's 
 pushes after the last layer (WRITE). What remains is the control plane: the handle's trip back
 through Ray, the call to D, D's block reservation, plan, release message and engine hand-over.
 A colocated pipeline serves the same requests; its TTFT is the baseline a PD request competes with.
+Under load the handoff also holds the waits that load causes (P's output stream, D's admission
+behind the other requests' steps): it is what a request pays between P and D, not the transfer.
 
     python bench/handoff_bench.py                                    # shm and tcp, CPU, tiny preset
+    python bench/handoff_bench.py --concurrency 1,16,64              # and under load
     python bench/handoff_bench.py --backends cuda_ipc --device cuda --num-gpus 1 --preset llama-1b
 
 Writes bench/results/handoff_<tag>.json and .png.
@@ -60,26 +64,35 @@ def config(args: argparse.Namespace, name: str, backend: str, mode: str, colocat
     )
 
 
-def measure(args: argparse.Namespace, name: str, cfg: Any) -> dict[str, list[float]]:
+KEYS = ("handoff_s", "handoff_rpc_s", "handoff_local_s", "transfer_s", "ttft_s", "push_wait_s")
+
+
+def measure(
+    args: argparse.Namespace, name: str, cfg: Any, levels: list[int]
+) -> dict[int, dict[str, list[float]]]:
+    """Timings of --requests requests at each concurrency level, on one pipeline."""
     pipe = PDPipeline.launch(cfg)
     params = SamplingParams(max_tokens=2, ignore_eos=True)
     prompt = [(7 * i) % 200 + 32 for i in range(args.prompt_len)]
-    keys = ("handoff_s", "handoff_rpc_s", "handoff_local_s", "transfer_s", "ttft_s", "push_wait_s")
-    out: dict[str, list[float]] = {k: [] for k in keys}
+    per_level: dict[int, dict[str, list[float]]] = {}
     try:
-        for i in range(args.warmup + args.requests):
-            r = pipe.generate(token_ids=prompt, params=params)
-            if i < args.warmup:
-                continue
-            for key in out:
-                value = getattr(r.timings, key)
-                if value is not None:
-                    out[key].append(value)
-            if (i - args.warmup + 1) % 50 == 0:
-                print(f"  {name}: {i - args.warmup + 1}/{args.requests}", flush=True)
+        for c in levels:
+            out: dict[str, list[float]] = {k: [] for k in KEYS}
+            pipe.generate_batch([prompt] * max(args.warmup, c), params, max_concurrency=c)
+            done = 0
+            while done < args.requests:  # in chunks, for progress output
+                n = min(50 if c == 1 else max(50, 4 * c), args.requests - done)
+                for r in pipe.generate_batch([prompt] * n, params, max_concurrency=c):
+                    for key in out:
+                        value = getattr(r.timings, key)
+                        if value is not None:
+                            out[key].append(value)
+                done += n
+                print(f"  {name} c={c}: {done}/{args.requests}", flush=True)
+            per_level[c] = {k: v for k, v in out.items() if v}
     finally:
         pipe.shutdown()
-    return {k: v for k, v in out.items() if v}
+    return per_level
 
 
 def summarize(samples: dict[str, list[float]]) -> dict[str, float]:
@@ -98,7 +111,7 @@ def plot(results: dict[str, dict[str, float]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     names = list(results)
-    fig, ax = plt.subplots(figsize=(8, 4))
+    fig, ax = plt.subplots(figsize=(max(8.0, 0.9 * len(names)), 4))
     x = range(len(names))
     for offset, (key, label) in enumerate(
         [("handoff_s", "handoff"), ("transfer_s", "raw transfer"), ("ttft_s", "TTFT")]
@@ -120,7 +133,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--backends", default="shm,tcp")
     ap.add_argument("--modes", default="read,write")
-    ap.add_argument("--requests", type=int, default=200)
+    ap.add_argument("--requests", type=int, default=200, help="per concurrency level")
+    ap.add_argument("--concurrency", default="1", help="comma-separated levels, e.g. 1,16,64")
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--preset", default="tiny")
@@ -133,22 +147,33 @@ def main() -> None:
     ap.add_argument("--tag", default="")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     args = ap.parse_args()
+    try:
+        levels = [int(c) for c in args.concurrency.split(",")]
+    except ValueError:
+        ap.error(f"--concurrency: {args.concurrency!r} is not a comma-separated list of integers")
+    if any(c < 1 for c in levels):
+        ap.error(f"--concurrency: every level must be >= 1, got {args.concurrency!r}")
     if not ray.is_initialized():
         ray.init(namespace="moriio_ray", include_dashboard=False, log_to_driver=False)
     results: dict[str, dict[str, float]] = {}
+
+    def run_name(name: str, c: int) -> str:
+        return name if levels == [1] else f"{name}-c{c}"  # one level: the names of earlier records
+
     print("colocated baseline", flush=True)
     first_backend = args.backends.split(",")[0]  # a colocated GPU engine needs a GPU-capable agent
-    results["colocated"] = summarize(
-        measure(args, "colocated", config(args, "hb-col", first_backend, "read", True))
-    )
+    cfg = config(args, "hb-col", first_backend, "read", True)
+    for c, samples in measure(args, "colocated", cfg, levels).items():
+        results[run_name("colocated", c)] = {"concurrency": c, **summarize(samples)}
     for backend in args.backends.split(","):
         for mode in args.modes.split(","):
             name = f"{backend}-{mode}"
             print(name, flush=True)
             cfg = config(args, f"hb-{backend}-{mode}", backend, mode, False)
-            results[name] = summarize(measure(args, name, cfg))
-    base_ttft_ms = results["colocated"]["ttft_s_p50_ms"]
+            for c, samples in measure(args, name, cfg, levels).items():
+                results[run_name(name, c)] = {"concurrency": c, **summarize(samples)}
     for r in results.values():
+        base_ttft_ms = results[run_name("colocated", int(r["concurrency"]))]["ttft_s_p50_ms"]
         if "handoff_s_p50_ms" in r:
             r["handoff_over_colocated_ttft_p50"] = r["handoff_s_p50_ms"] / base_ttft_ms
     tag = args.tag or f"{args.preset}_{args.device}"
@@ -164,10 +189,10 @@ def main() -> None:
     }
     (out / f"handoff_{tag}.json").write_text(json.dumps(doc, indent=2))
     plot(results, out / f"handoff_{tag}.png")
-    print(f"{'run':<14}{'handoff p50':>12}{'p99':>9}{'transfer p50':>14}{'TTFT p50':>10}{'p99':>9}  (ms)")
+    print(f"{'run':<18}{'handoff p50':>12}{'p99':>9}{'transfer p50':>14}{'TTFT p50':>10}{'p99':>9}  (ms)")
     for name, r in results.items():
         print(
-            f"{name:<14}{r.get('handoff_s_p50_ms', float('nan')):>12.3f}"
+            f"{name:<18}{r.get('handoff_s_p50_ms', float('nan')):>12.3f}"
             f"{r.get('handoff_s_p99_ms', float('nan')):>9.3f}"
             f"{r.get('transfer_s_p50_ms', r.get('push_wait_s_p50_ms', float('nan'))):>14.3f}"
             f"{r['ttft_s_p50_ms']:>10.3f}{r['ttft_s_p99_ms']:>9.3f}"

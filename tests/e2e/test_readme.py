@@ -34,7 +34,7 @@ NOT_RUN = {
     "python -m bench.transfer_bench": "a benchmark of minutes; its record: bench/results/transfer_bench.json",
     "python bench/transfer_gpu_bench.py": "needs two NVIDIA GPUs",
     "python bench/engine_bench.py": "needs an NVIDIA GPU",
-    "python bench/handoff_bench.py --requests": "a benchmark of minutes; its record is bench/results/",
+    "python bench/handoff_bench.py --concurrency": "a benchmark of minutes; its record is bench/results/",
     "python bench/handoff_bench.py --backends": "a benchmark of minutes; its record is bench/results/",
     "python bench/serving_bench.py": "needs an NVIDIA GPU; its record: bench/results/serving_gpu.json",
     "python bench/serve_bench.py": "a benchmark of minutes; its record is bench/results/serve_cpu.json",
