@@ -156,11 +156,12 @@ class DecodeSide:
             return await self._recompute(rec, req, h, exc, xfer, handoff_unix)
         try:
             await self._start(rec, h.first_token)
+            started_unix = time.time()  # the engine decodes it from here (the release is not in it)
         finally:  # the read has ended: P's lease goes, whatever happens to the start (a cancel)
             send(peer.actor.release, h.transfer_id)  # after the hand-over: off the critical path
         start = DecodeStart(
             handoff_unix=handoff_unix,
-            decode_start_unix=time.time(),
+            decode_start_unix=started_unix,
             transfer_s=transfer_s,
             transfer_bytes=xfer.num_bytes,
             transfer_segments=xfer.num_segments,
