@@ -113,8 +113,17 @@ def test_a_cancelled_read_stays_quarantined_until_the_transfer_ends() -> None:
 
         async def cancel_mid_read() -> float:
             agen = pipe.stream(token_ids=prompt, params=params, request_id="mid-read")
-            await agen.__anext__()  # P's first token: D is reading now (the read holds delay_s)
+            await agen.__anext__()  # P's first token; D's read follows (it holds delay_s)
             t_first = time.monotonic()
+            # The first token can reach the caller before P's hand-over reaches D: cancel only once
+            # D's read is in flight (its 7 blocks in use), or there is nothing to quarantine.
+            while True:
+                w = (await pipe.stats_async())["workers"][d_key]
+                if w["num_blocks"] - w["num_free_blocks"] == 7:  # reserved; the read is issued
+                    await asyncio.sleep(0.1)  # right after (well within the delay_s it is held)
+                    break
+                assert time.monotonic() - t_first < 2.0, f"D's read did not start: {w}"
+                await asyncio.sleep(0.01)
             await agen.aclose()  # the caller stops: D and P are told to abort
             return t_first
 
