@@ -228,7 +228,7 @@ def run_system(name: str, config: Path, args: argparse.Namespace) -> dict[str, A
             )
         status, stats = server.get("/stats")
     return {
-        "config": str(config.relative_to(ROOT)) if config.is_relative_to(ROOT) else config.name,
+        "config": _repo_path(config),
         "workers": sorted(stats["workers"]) if status == 200 else [],
         "rates": runs,
     }
@@ -306,7 +306,7 @@ def main() -> None:
     args = parser.parse_args()
 
     results: dict[str, Any] = {
-        "load": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "load": {k: (_repo_path(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "host": {"machine": platform.machine(), "python": platform.python_version(), "cpus": os.cpu_count()},
         "systems": {},
     }
@@ -340,6 +340,12 @@ def main() -> None:
         ratio = results["ratios_1p1d_over_colocated"][str(rate)]
         print(f"rate {rate:>5}/s 1P1D / colocated:", {k: round(v, 3) for k, v in ratio.items() if v})
     print(f"wrote {json_path.relative_to(ROOT)} and {png_path.relative_to(ROOT)}")
+
+
+def _repo_path(path: Path) -> str:
+    """A path as the record names it: relative to the repository, never this machine's layout."""
+    path = path.resolve()
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else path.name
 
 
 def _ms(seconds: float | None) -> str:
