@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import statistics
 import sys
@@ -37,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import ray
 
+from bench.record_paths import repo_path
 from moriio_ray import PDPipeline, SamplingParams
 from moriio_ray.config import parse_pipeline_config
 
@@ -180,7 +180,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     doc = {
-        "args": {**vars(args), "out": os.path.relpath(args.out, Path(__file__).resolve().parents[1])},
+        "args": {**vars(args), "out": repo_path(args.out)},
         "host": platform.node(),
         "python": platform.python_version(),
         "ray": ray.__version__,

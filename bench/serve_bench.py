@@ -43,6 +43,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, for moriio_ray
 
+from bench.record_paths import repo_path
 from moriio_ray import load_config
 from moriio_ray.serve.process import ServeProcess
 
@@ -228,7 +229,7 @@ def run_system(name: str, config: Path, args: argparse.Namespace) -> dict[str, A
             )
         status, stats = server.get("/stats")
     return {
-        "config": _repo_path(config),
+        "config": repo_path(config),
         "workers": sorted(stats["workers"]) if status == 200 else [],
         "rates": runs,
     }
@@ -306,7 +307,7 @@ def main() -> None:
     args = parser.parse_args()
 
     results: dict[str, Any] = {
-        "load": {k: (_repo_path(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "load": {k: (repo_path(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "host": {"machine": platform.machine(), "python": platform.python_version(), "cpus": os.cpu_count()},
         "systems": {},
     }
@@ -340,12 +341,6 @@ def main() -> None:
         ratio = results["ratios_1p1d_over_colocated"][str(rate)]
         print(f"rate {rate:>5}/s 1P1D / colocated:", {k: round(v, 3) for k, v in ratio.items() if v})
     print(f"wrote {json_path.relative_to(ROOT)} and {png_path.relative_to(ROOT)}")
-
-
-def _repo_path(path: Path) -> str:
-    """A path as the record names it: relative to the repository, never this machine's layout."""
-    path = path.resolve()
-    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else path.name
 
 
 def _ms(seconds: float | None) -> str:

@@ -36,6 +36,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: moriio_ray and bench
 
+from bench.record_paths import repo_path
 from bench.transfer_gpu_cases import LAYOUT_KW, PROMPTS, cases
 
 SWEEP: list[dict[str, Any]] = [
@@ -282,7 +283,7 @@ def main() -> None:
     peers = [p for p in args.peers.split(",") if p]
     iters = 8 if args.quick else 20
     result: dict[str, Any] = {
-        "args": vars(args),
+        "args": {**vars(args), "out": repo_path(out)},
         "layout": LAYOUT_KW,
         "prompts": PROMPTS,
         "errors": {},
