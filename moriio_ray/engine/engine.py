@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from moriio_ray.config import EngineConfig, ModelConfig
+from moriio_ray.engine.admission import check_request, request_error
 from moriio_ray.engine.block_allocator import BlockAllocator
 from moriio_ray.engine.outputs import PrefillResult, StepOutput
 from moriio_ray.engine.rank import build_rank
@@ -42,7 +43,7 @@ from moriio_ray.engine.stopping import check_stop
 from moriio_ray.engine.tokenizer import load_tokenizer
 from moriio_ray.engine.tp import SINGLE, TPGroup
 from moriio_ray.engine.tp_steps import Kind, StepChannel, StepMsg, encode_batch
-from moriio_ray.errors import CapacityError, ConfigError, InvalidRequest, MoriioRayError, RequestFailed
+from moriio_ray.errors import ConfigError, InvalidRequest
 
 if TYPE_CHECKING:
     from moriio_ray.transfer.base import TransferAgent
@@ -102,30 +103,18 @@ class Engine:
     # -- admission ------------------------------------------------------------------------------
 
     def _check_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequest(f"params: expected SamplingParams, got {type(params).__name__}")
-        if not request_id or request_id in self._seqs or self.allocator.get_lease(request_id):
-            raise InvalidRequest(f"request_id: {request_id!r} is empty or already in use; use a unique id")
-        if not prompt:
-            raise InvalidRequest("prompt_token_ids: the prompt is empty; send at least one token")
-        vocab = self.args.vocab_size
-        if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
-            raise InvalidRequest(f"prompt_token_ids: every id must be an integer in 0..{vocab - 1}")
-        params.check_for_model(vocab)
-        if len(prompt) >= self.max_model_len:
-            raise CapacityError(
-                f"prompt of {len(prompt)} tokens leaves no room to generate within max_model_len "
-                f"{self.max_model_len}; shorten it"
-            )
-        # the last sampled token is never fed back, so at most total - 1 tokens are ever cached
-        total = min(len(prompt) + params.max_tokens, self.max_model_len)
-        cached = len(prompt) if self.role == "prefill" else total - 1
-        need = blocks_for(cached, self.block_size)
-        if need > self.allocator.num_blocks:
-            raise CapacityError(
-                f"{cached} tokens need {need} KV blocks of {self.block_size} tokens; this engine has "
-                f"{self.allocator.num_blocks}; shorten the prompt or max_tokens"
-            )
+        in_use = request_id in self._seqs or self.allocator.get_lease(request_id) is not None
+        check_request(
+            request_id,
+            prompt,
+            params,
+            in_use=in_use,
+            vocab_size=self.args.vocab_size,
+            max_model_len=self.max_model_len,
+            block_size=self.block_size,
+            num_blocks=self.allocator.num_blocks,
+            prefill_only=self.role == "prefill",
+        )
 
     def _new_seq(self, request_id: str, prompt: list[int], params: SamplingParams) -> Sequence:
         # The caller's make_request draws the seed of a sampled request (P and D must share it);
@@ -201,9 +190,8 @@ class Engine:
 
     def _join(self, request_id: str, first_token: int) -> Sequence:
         seq = self._reserved(request_id)
-        if isinstance(first_token, bool) or not isinstance(first_token, int):
-            raise InvalidRequest(f"first_token: {first_token!r} is not a token id of this model")
-        if not 0 <= first_token < self.args.vocab_size:
+        is_int = isinstance(first_token, int) and not isinstance(first_token, bool)
+        if not is_int or not 0 <= first_token < self.args.vocab_size:
             raise InvalidRequest(f"first_token: {first_token!r} is not a token id of this model")
         seq.output_ids = [first_token]
         return seq
@@ -213,7 +201,7 @@ class Engine:
             reason = check_stop(seq, self.tokenizer, self.max_model_len)
         except Exception as exc:  # this request's stop rule failed: end it alone
             self._drop(seq)
-            raise _request_error(seq, exc) from exc
+            raise request_error(seq.request_id, exc) from exc
         if reason is None:
             self.scheduler.add(seq)
             return
@@ -281,7 +269,7 @@ class Engine:
         """End one request that faulted inside ``step`` with a typed error; free its blocks."""
         log.warning("request %s failed in the engine: %r", seq.request_id, exc, exc_info=exc)
         self._drop(seq)
-        error = _request_error(seq, exc)
+        error = request_error(seq.request_id, exc)
         return StepOutput(
             request_id=seq.request_id,
             new_token_ids=[],
@@ -399,13 +387,3 @@ class Engine:
                 self._steps.send(StepMsg(Kind.STOP))
                 self._steps = None
             self.cache.close()
-
-
-def _request_error(seq: Sequence, exc: BaseException) -> MoriioRayError:
-    """The typed error that ends a request whose own sampling or stop checks raised ``exc``."""
-    if isinstance(exc, MoriioRayError):
-        return exc
-    return RequestFailed(
-        f"request {seq.request_id} failed in the engine ({type(exc).__name__} in its sampling or "
-        "stop checks); the engine serves the other requests on"
-    )
