@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from moriio_ray.serve.process import ServeProcess
 
@@ -19,13 +21,49 @@ def running(config: str | Path, *, start_timeout_s: float = 240.0) -> Iterator[S
         proc.wait_healthy(timeout_s=start_timeout_s)
         yield proc
     finally:
-        if proc.proc is not None and proc.proc.poll() is None:
-            try:
-                proc.stop(timeout_s=60)
-            except Exception:
-                pass
+        stop_if_running(proc)
         proc.kill()
         proc.remove_work_dir()
+
+
+def stop_if_running(proc: ServeProcess) -> None:
+    """SIGINT to a ``serve run`` still running, waited for up to 60 s (whatever is left: ``kill``)."""
+    if proc.proc is not None and proc.proc.poll() is None:
+        try:
+            proc.stop(timeout_s=60)
+        except Exception:
+            pass
+
+
+def worker_stats(server: ServeProcess) -> dict[str, dict[str, Any]]:
+    """Every engine's counters, from the ingress's /stats."""
+    status, body = server.get("/stats")
+    assert status == 200, body
+    workers: dict[str, dict[str, Any]] = body["workers"]
+    return workers
+
+
+def quiet(workers: dict[str, dict[str, Any]], *, leases: bool = False) -> bool:
+    """No engine runs or queues a request and all its blocks are free (``leases``: none leased)."""
+    return all(
+        w["num_free_blocks"] == w["num_blocks"]
+        and (not leases or w["num_leased_blocks"] == 0)
+        and w["num_running"] == 0
+        and w["num_waiting"] == 0
+        for w in workers.values()
+    )
+
+
+def wait_quiet(
+    server: ServeProcess, timeout_s: float, *, leases: bool = False, poll_s: float = 0.05
+) -> tuple[bool, float, dict[str, dict[str, Any]]]:
+    """(quiet, seconds it took, the last stats), polling /stats up to ``timeout_s``."""
+    t0 = time.monotonic()
+    workers = worker_stats(server)
+    while not quiet(workers, leases=leases) and time.monotonic() - t0 < timeout_s:
+        time.sleep(poll_s)
+        workers = worker_stats(server)
+    return quiet(workers, leases=leases), time.monotonic() - t0, workers
 
 
 class Shared:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -22,7 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from moriio_ray.serve.process import ServeProcess
-from tests.e2e.serving import Shared
+from tests.e2e.serving import Shared, wait_quiet, worker_stats
 from tests.fuzz_bodies import chat_bodies, check_error_body, completion_bodies, encoded
 
 LEASE_PLUS_GRACE_S = 35.0  # transfer.kv_lease_s + lease_grace_s (the defaults the config keeps)
@@ -41,32 +40,6 @@ def http(server: ServeProcess) -> Iterator[httpx.Client]:
         yield client
 
 
-def _workers(server: ServeProcess) -> dict[str, dict[str, Any]]:
-    status, body = server.get("/stats")
-    assert status == 200, body
-    return body["workers"]
-
-
-def _quiet(workers: dict[str, dict[str, Any]]) -> bool:
-    return all(
-        w["num_free_blocks"] == w["num_blocks"]
-        and w["num_leased_blocks"] == 0
-        and w["num_running"] == 0
-        and w["num_waiting"] == 0
-        for w in workers.values()
-    )
-
-
-def _wait_quiet(server: ServeProcess, timeout_s: float) -> tuple[bool, float, dict[str, Any]]:
-    """(quiet, seconds it took, the last stats) polling /stats up to ``timeout_s``."""
-    t0 = time.monotonic()
-    workers = _workers(server)
-    while not _quiet(workers) and time.monotonic() - t0 < timeout_s:
-        time.sleep(0.1)
-        workers = _workers(server)
-    return _quiet(workers), time.monotonic() - t0, workers
-
-
 def _valid_request_works(http: httpx.Client) -> None:
     resp = http.post("/v1/completions", json={"model": "tiny", "prompt": "still there?", "max_tokens": 4})
     assert resp.status_code == 200, resp.text
@@ -75,7 +48,7 @@ def _valid_request_works(http: httpx.Client) -> None:
 
 @pytest.mark.timeout(120)
 def test_the_top_k_that_killed_the_prefill_engine_is_a_400(server: ServeProcess, http: httpx.Client) -> None:
-    before = {key: (w["epoch"], w["requests"]) for key, w in _workers(server).items()}
+    before = {key: (w["epoch"], w["requests"]) for key, w in worker_stats(server).items()}
     for top_k in (2**63, 2**64, 10**30, 261):
         for stream in (False, True):
             body = {"model": "tiny", "prompt": "hi", "top_k": top_k, "temperature": 1.0, "stream": stream}
@@ -84,7 +57,7 @@ def test_the_top_k_that_killed_the_prefill_engine_is_a_400(server: ServeProcess,
             error = resp.json()["error"]
             assert error["param"] == "top_k" and error["type"] == "invalid_request_error"
     _valid_request_works(http)
-    after = _workers(server)
+    after = worker_stats(server)
     for key, (epoch, _) in before.items():
         assert after[key]["epoch"] == epoch, f"{key} was replaced: {after[key]}"
 
@@ -115,7 +88,7 @@ async def _cut(base_url: str, body: bytes, when: str, rng: random.Random) -> str
 
 @pytest.mark.timeout(240)
 def test_streams_cut_at_the_headers_leave_no_block_held(server: ServeProcess, http: httpx.Client) -> None:
-    quiet, _, workers = _wait_quiet(server, 20.0)
+    quiet, _, workers = wait_quiet(server, 20.0, leases=True, poll_s=0.1)
     assert quiet, workers
     rng = random.Random(15)
     body = json.dumps(
@@ -131,7 +104,7 @@ def test_streams_cut_at_the_headers_leave_no_block_held(server: ServeProcess, ht
         statuses += asyncio.run(wave(32))
     assert statuses.count("200") >= 160, statuses
     assert set(statuses) <= {"200", "cut-before"}, statuses
-    quiet, freed_s, workers = _wait_quiet(server, LEASE_PLUS_GRACE_S)
+    quiet, freed_s, workers = wait_quiet(server, LEASE_PLUS_GRACE_S, leases=True, poll_s=0.1)
     assert quiet, f"blocks still held {freed_s:.1f} s after the cuts: {workers}"
     # promptly: a lease left to expire would take LEASE_PLUS_GRACE_S; the start timer is 5 s
     assert freed_s < 10.0, f"the blocks came back only after {freed_s:.1f} s"
@@ -170,5 +143,5 @@ def test_fuzz_over_http(server: ServeProcess, http: httpx.Client) -> None:
     completions()
     chat()
     _valid_request_works(http)
-    quiet, _, workers = _wait_quiet(server, 20.0)
+    quiet, _, workers = wait_quiet(server, 20.0, leases=True, poll_s=0.1)
     assert quiet, f"blocks leaked by the fuzzed requests: {workers}"

@@ -24,6 +24,7 @@ import pytest
 import yaml
 
 from moriio_ray.serve.process import ServeProcess, free_port
+from tests.e2e.serving import stop_if_running
 
 ROOT = Path(__file__).resolve().parents[2]
 RAY = str(Path(sys.executable).with_name("ray"))
@@ -84,11 +85,7 @@ def cluster() -> Iterator[tuple[TwoNodes, str]]:
     try:
         yield nodes, steps
     finally:
-        if serve.proc is not None and serve.proc.poll() is None:
-            try:
-                serve.stop(timeout_s=60)
-            except Exception:
-                pass
+        stop_if_running(serve)
         if serve.proc is None:  # serve run never started; leftover_pids needs a child to compare with
             serve.proc = subprocess.Popen(["true"])
             serve.proc.wait()

@@ -20,7 +20,7 @@ import pytest
 
 from moriio_ray.serve.process import ServeProcess
 from moriio_ray.transfer.shm_segment import SHM_DIR
-from tests.e2e.serving import Shared
+from tests.e2e.serving import Shared, quiet, wait_quiet, worker_stats
 
 MODEL = "tiny"
 MAX_MODEL_LEN = 2048  # configs/tiny_1p1d_cpu.yaml
@@ -37,37 +37,15 @@ def client(server: ServeProcess) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
-def _worker_stats(server: ServeProcess) -> dict[str, dict[str, Any]]:
-    status, body = server.get("/stats")
-    assert status == 200, body
-    return body["workers"]
-
-
-def _quiet(workers: dict[str, dict[str, Any]]) -> bool:
-    return all(
-        w["num_free_blocks"] == w["num_blocks"] and w["num_running"] == 0 and w["num_waiting"] == 0
-        for w in workers.values()
-    )
-
-
-def _wait_quiet(server: ServeProcess, timeout_s: float) -> dict[str, dict[str, Any]]:
-    deadline_s = time.monotonic() + timeout_s
-    workers = _worker_stats(server)
-    while not _quiet(workers) and time.monotonic() < deadline_s:
-        time.sleep(0.05)
-        workers = _worker_stats(server)
-    return workers
-
-
 @pytest.mark.timeout(60)
 def test_health_models_stats(server: ServeProcess) -> None:
     status, body = server.get("/health")
     assert status == 200 and body["workers"] == {"prefill": 1, "decode": 1}
     status, body = server.get("/v1/models")
     assert status == 200 and [m["id"] for m in body["data"]] == [MODEL]
-    workers = _worker_stats(server)
+    workers = worker_stats(server)
     assert {w["role"] for w in workers.values()} == {"prefill", "decode"}
-    assert _quiet(workers)
+    assert quiet(workers)
 
 
 @pytest.mark.timeout(60)
@@ -148,7 +126,7 @@ def test_32_concurrent_requests(server: ServeProcess) -> None:
         by_prompt.setdefault(prompt, set()).add(text)
     # greedy decoding under continuous batching: one prompt, one answer, whatever the batch
     assert all(len(texts) == 1 for texts in by_prompt.values()), by_prompt
-    assert _quiet(_wait_quiet(server, 10.0))
+    assert wait_quiet(server, 10.0)[0]
 
 
 A = {"model": MODEL, "prompt": "a"}
@@ -199,14 +177,14 @@ def test_bad_chat_input_and_oversized_body(server: ServeProcess) -> None:
 
 def _decode_used_blocks(server: ServeProcess) -> tuple[float, int, int]:
     """(time, used blocks, running requests) of the decode engine."""
-    (w,) = [w for w in _worker_stats(server).values() if w["role"] == "decode"]
+    (w,) = [w for w in worker_stats(server).values() if w["role"] == "decode"]
     return time.monotonic(), w["num_blocks"] - w["num_free_blocks"], w["num_running"]
 
 
 @pytest.mark.timeout(90)
 def test_disconnect_mid_stream_frees_the_blocks(server: ServeProcess) -> None:
-    before = _wait_quiet(server, 10.0)
-    assert _quiet(before)
+    before = wait_quiet(server, 10.0)[2]
+    assert quiet(before)
     prompt_tokens, block_tokens = 100, 16
     body = {
         "model": MODEL,
@@ -232,9 +210,9 @@ def test_disconnect_mid_stream_frees_the_blocks(server: ServeProcess) -> None:
         assert remaining_s > 1.0, f"the request is nearly done ({b[1]} blocks used); nothing to cancel"
         # leaving the block closes the connection mid-stream
     t_closed = time.monotonic()
-    after = _wait_quiet(server, 20.0)
+    after = wait_quiet(server, 20.0)[2]
     freed_s = time.monotonic() - t_closed
-    assert _quiet(after), f"blocks not freed {freed_s:.1f} s after the disconnect: {after}"
+    assert quiet(after), f"blocks not freed {freed_s:.1f} s after the disconnect: {after}"
     for key, w in after.items():
         assert w["num_free_blocks"] == before[key]["num_free_blocks"] == w["num_blocks"]
     # Finishing the request instead of cancelling it would have taken remaining_s.
@@ -294,7 +272,7 @@ def test_backpressure_429_beyond_max_ongoing_requests(server: ServeProcess) -> N
     _, stats = server.get("/stats")
     assert held == [200] * limit, stats
     assert extras == [429] * extra, stats
-    assert _quiet(_wait_quiet(server, 30.0)), "the held streams' blocks were not freed"
+    assert wait_quiet(server, 30.0)[0], "the held streams' blocks were not freed"
 
 
 @pytest.mark.timeout(90)
