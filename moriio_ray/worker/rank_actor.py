@@ -11,10 +11,8 @@ replaces the whole engine.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import threading
-from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -177,12 +175,6 @@ class RankWorker:
         """A peer engine died: drop its ranks; their in-flight transfers fail with PeerLost."""
         for key in keys:
             self.agent.disconnect(key)
-
-    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run ``fn(self, *args)`` on this rank's event loop (awaited if it returns an awaitable);
-        return its result. The extension point of ``EngineWorker.call``."""
-        result = fn(self, *args)
-        return await result if inspect.isawaitable(result) else result
 
 
 def make_rank_actor_class() -> Any:
