@@ -13,8 +13,11 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import numpy as np
+import torch
+
 from moriio_ray.errors import TransferTimeout
-from moriio_ray.transfer.handle import Transfer
+from moriio_ray.transfer.handle import FutureTransfer, Transfer
 
 
 class DelayedTransfer(Transfer):
@@ -67,3 +70,70 @@ def delay_transfers(core: Any, delay_s: float) -> None:
     """For ``EngineWorker.call``: the worker's later transfers are late by ``delay_s`` (0: none)."""
     agent = core.agent.inner if isinstance(core.agent, DelayingAgent) else core.agent
     core.agent = DelayingAgent(agent, delay_s) if delay_s > 0 else agent
+
+
+class LateWriteAgent:
+    """An agent whose writes, while ``holding``, read their source when issued and land in the peer
+    only on ``release``: a one-sided push that arrives late, carrying the data it had when issued
+    (the prompt it was computed for, whatever the source blocks hold by the time it lands)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.holding = True
+        self.held: list[tuple[FutureTransfer, Any, Any, Any, Any, Any]] = []
+
+    def write(
+        self, local_mem: Any, remote_mem: Any, local_offsets: Any, remote_offsets: Any, sizes: Any
+    ) -> Transfer:
+        if not self.holding:
+            return self.inner.write(local_mem, remote_mem, local_offsets, remote_offsets, sizes)
+        lo, ro, sz = (np.asarray(a, dtype=np.int64) for a in (local_offsets, remote_offsets, sizes))
+        source = self.inner.local_tensor(local_mem).reshape(-1).view(torch.uint8)
+        staging = self.inner.allocate((int(sz.sum()),), torch.uint8, "cpu")
+        starts = np.concatenate([[0], np.cumsum(sz)[:-1]]).astype(np.int64)
+        for s, o, n in zip(starts, lo, sz, strict=True):  # the data as it is now
+            staging[s : s + n] = source[o : o + n]
+        mem = self.inner.register(staging)
+        xfer = FutureTransfer(int(sz.sum()), len(sz), remote_mem.engine_key)
+        self.held.append((xfer, mem, remote_mem, starts, ro, sz))
+        return xfer
+
+    def release(self) -> int:
+        """Land every held write now; how many there were."""
+        held, self.held = self.held, []
+        for xfer, mem, remote_mem, starts, ro, sz in held:
+            try:
+                self.inner.write(mem, remote_mem, starts, ro, sz).wait(10.0)
+                xfer.set_done()
+            except Exception as exc:  # the peer is gone: the write fails as a real one would
+                xfer.set_error(exc)
+            finally:
+                self.inner.deregister(mem)
+        return len(held)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def hold_writes(core: Any) -> None:
+    """For ``EngineWorker.call``: from now on the worker's writes are held (``LateWriteAgent``)."""
+    if not isinstance(core.agent, LateWriteAgent):
+        core.agent = LateWriteAgent(core.agent)
+    core.agent.holding = True
+
+
+def pass_writes(core: Any) -> int:
+    """For ``EngineWorker.call``: later writes go through at once; those held stay held. How many are held."""
+    core.agent.holding = False
+    return len(core.agent.held)
+
+
+def held_writes(core: Any) -> int:
+    return len(core.agent.held) if isinstance(core.agent, LateWriteAgent) else 0
+
+
+def release_writes(core: Any) -> int:
+    """For ``EngineWorker.call``: land the held writes now (from a thread: the worker's loop goes on)."""
+    import asyncio
+
+    return asyncio.to_thread(core.agent.release)  # type: ignore[return-value]

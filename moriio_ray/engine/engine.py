@@ -116,7 +116,9 @@ class Engine:
             prefill_only=self.role == "prefill",
         )
 
-    def _new_seq(self, request_id: str, prompt: list[int], params: SamplingParams) -> Sequence:
+    def _new_seq(
+        self, request_id: str, prompt: list[int], params: SamplingParams, sample_offset: int
+    ) -> Sequence:
         # The caller's make_request draws the seed of a sampled request (P and D must share it);
         # only an engine driven directly draws one here, and greedy decoding needs none.
         seed = (
@@ -125,6 +127,7 @@ class Engine:
             else (secrets.randbits(63) if params.temperature > 0 else 0)
         )
         seq = Sequence(request_id, list(prompt), params, seed, prefill_only=self.role == "prefill")
+        seq.sample_offset = sample_offset
         self._seqs[request_id] = seq
         return seq
 
@@ -135,20 +138,28 @@ class Engine:
         params: SamplingParams,
         *,
         lease_s: float | None = None,
+        sample_offset: int = 0,
     ) -> None:
         """Queue a request: prefill (and, unless the role is prefill, decode) it in later steps.
 
         On a prefill engine its blocks are leased for ``lease_s`` (default: the engine's) after the
-        prefill. Raises CapacityError when it can never fit, InvalidRequest for bad input.
+        prefill. ``sample_offset``: output positions a continued request already produced (its
+        seeded sampling goes on from there). Raises CapacityError when it can never fit,
+        InvalidRequest for bad input.
         """
         with self._lock:
             self._check_request(request_id, prompt_token_ids, params)
-            seq = self._new_seq(request_id, prompt_token_ids, params)
+            seq = self._new_seq(request_id, prompt_token_ids, params, sample_offset)
             seq.lease_s = lease_s
             self.scheduler.add(seq)
 
     def reserve(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        sample_offset: int = 0,
     ) -> list[int] | None:
         """Decode role: blocks for a prompt whose KV a transfer writes in; None if short right now."""
         with self._lock:
@@ -158,7 +169,7 @@ class Engine:
             need = blocks_for(len(prompt_token_ids), self.block_size)
             if not self.allocator.can_allocate(need):
                 return None
-            seq = self._new_seq(request_id, prompt_token_ids, params)
+            seq = self._new_seq(request_id, prompt_token_ids, params, sample_offset)
             seq.state = SeqState.RESERVED
             seq.block_table = self.allocator.allocate(need)
             return list(seq.block_table)
@@ -231,7 +242,9 @@ class Engine:
                     seq.params.temperature,
                     seq.params.top_k,
                     seq.params.top_p,
-                    row_key(seq.seed, len(seq.output_ids)) if seq.params.temperature > 0 else 0,
+                    row_key(seq.seed, seq.sample_offset + len(seq.output_ids))
+                    if seq.params.temperature > 0
+                    else 0,
                     seq.params.logprobs,
                 )
                 for seq in batch.seqs

@@ -34,6 +34,7 @@ class Sequence:
     seed: int  # the request's seed, or a random one drawn at admission
     prefill_only: bool = False  # prefill role: finish after the first token and lease the blocks
     lease_s: float | None = None  # prefill role: this request's lease length (None: the engine's)
+    sample_offset: int = 0  # output positions sampled before this request (a continuation)
     state: SeqState = SeqState.WAITING
     output_ids: list[int] = dataclasses.field(default_factory=list)
     block_table: list[int] = dataclasses.field(default_factory=list)

@@ -1,1 +1,3 @@
-"""The Ray runtime: worker actors, the coordinator, the router and the PDPipeline API."""
+"""The caller's runtime (``PDPipeline``, its flows, router and output streams), the coordinator actor,
+and the protocol they share with the workers (``messages``, ``deadline``, ``detached``). The worker
+actors themselves live in ``moriio_ray.worker``."""

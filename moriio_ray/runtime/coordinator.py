@@ -29,6 +29,7 @@ from moriio_ray.runtime.engine_group import bundle, check_node_fit, check_tp_siz
 from moriio_ray.runtime.messages import Member, Membership, Role, WorkerInfo
 
 log = logging.getLogger(__name__)
+WORKER_STATS_TIMEOUT_S = 10.0  # a worker that does not answer is listed with its error
 
 NAMESPACE = "moriio_ray"
 _MISSES_TO_DEAD = 2
@@ -269,7 +270,8 @@ class Coordinator:
     async def stats(self) -> dict[str, Any]:
         members = self._members()
         results = await asyncio.gather(
-            *(asyncio.wait_for(m.actor.stats.remote(), 10.0) for m in members), return_exceptions=True
+            *(asyncio.wait_for(m.actor.stats.remote(), WORKER_STATS_TIMEOUT_S) for m in members),
+            return_exceptions=True,
         )
         workers = {
             m.key: (r if not isinstance(r, BaseException) else {"error": repr(r)})

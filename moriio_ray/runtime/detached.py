@@ -18,9 +18,9 @@ from collections.abc import Coroutine
 from typing import Any
 
 
-def send(method: Any, *args: Any) -> Any:
-    """``method.remote(*args)`` outside the current task's lineage; its ObjectRef."""
-    return contextvars.Context().run(method.remote, *args)
+def send(method: Any, *args: Any, **kwargs: Any) -> Any:
+    """``method.remote(*args, **kwargs)`` outside the current task's lineage; its ObjectRef."""
+    return contextvars.Context().run(method.remote, *args, **kwargs)
 
 
 def spawn(coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:

@@ -132,6 +132,7 @@ class Flows:
                     request_id=f"{req.request_id}:cont{state.retries}",
                     prompt_token_ids=[*req.prompt_token_ids, *state.emitted],
                     params=msgspec.structs.replace(req.params, max_tokens=left),
+                    sample_offset=req.sample_offset + len(state.emitted),  # the same seeded draws
                 )
 
     # -- colocated ------------------------------------------------------------------------------
@@ -178,7 +179,7 @@ class Flows:
         cost = req.params.max_tokens + (0 if mode.p_first else len(req.prompt_token_ids))
         self.router.acquire(d, cost)
         sub = streams.open(d, rid)
-        p: Member | None = None
+        asked: list[Member] = []  # every P asked to prefill it (WRITE: to push into D's blocks)
         decode_ref: Any = None
         done = False
         try:
@@ -195,7 +196,9 @@ class Flows:
                     return p0
                 return self.router.pick_prefill_for(d, exclude=state.dead)
 
-            result, p = await self._prefill(req, state, pick, lambda p: mode.call(p, req, reservation, d))
+            result, _p = await self._prefill(
+                req, state, pick, lambda p: mode.call(p, req, reservation, d), asked
+            )
             state.timings.prefill_s = result.prefill_s
             if isinstance(result, msgspec.Struct) and hasattr(result, "push_wait_s"):
                 state.timings.push_wait_s = result.push_wait_s
@@ -217,12 +220,15 @@ class Flows:
             if decode_ref is not None:
                 _forget(decode_ref)
             if not done:
-                # D frees its blocks (and releases P's lease if the handle reached it); P frees
-                # its lease if D never got the handle, or stops a prefill still running.
+                # D frees its blocks (and releases P's lease if the handle reached it, once its read
+                # has ended); P stops a prefill still running. WRITE: D keeps blocks that a push
+                # may still land in until P says its pushes have ended (``pushing``: a P was asked).
                 # (sent outside this task's lineage: Serve cancels it, and Ray its calls, at a disconnect)
-                send(d.actor.abort, rid)
-                if p is not None:
-                    send(p.actor.abort, rid)
+                push_to = _ref(d) if mode.reserve_first else None
+                send(d.actor.abort, rid, None, bool(asked) or not mode.reserve_first)
+                for p in asked:
+                    if p.key not in state.dead:
+                        send(p.actor.abort, rid, push_to)
 
     async def _prefill(
         self,
@@ -230,13 +236,16 @@ class Flows:
         state: FlowState,
         pick: Callable[[int], Member],
         call: Callable[[Member], Any],
+        asked: list[Member],
     ) -> tuple[Handoff, Member]:
-        """Run ``call(P)`` on ``pick(attempt)``; if P dies, once more on another (failure rule)."""
+        """Run ``call(P)`` on ``pick(attempt)``; if P dies, once more on another (failure rule).
+        Each P asked is appended to ``asked`` (the caller aborts them if the request ends early)."""
         for attempt in range(self.config.runtime.prefill_retries + 1):
             p = pick(attempt)
             state.prefill_key = p.key
             cost = len(req.prompt_token_ids)
             self.router.acquire(p, cost)
+            asked.append(p)
             ref = call(p)
             try:
                 result: Handoff = await deadline(ref, self.timeout_s, f"prefill on {p.key}")
@@ -248,10 +257,9 @@ class Flows:
                 self.counters["prefill_retries"] += 1
                 log.warning("prefill of %s: %s died, retrying on another P", req.request_id, p.key)
             except BaseException:
-                # Cancelled or timed out: P's abort stops its task, or frees the request's blocks
-                # if the task had already finished (its handle then reaches nobody).
+                # Cancelled or timed out: the flow's abort stops P's task, or frees the request's
+                # blocks if the task had already finished.
                 _forget(ref)
-                send(p.actor.abort, req.request_id)
                 raise
             finally:
                 self.router.release(p, cost)

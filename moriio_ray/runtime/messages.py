@@ -1,7 +1,8 @@
 """Messages between the caller, the coordinator and the workers.
 
 msgspec Structs: they pickle for Ray, and the output stream sends them as msgpack bytes. This module
-imports neither torch nor Ray, so that the Serve ingress and the coordinator stay light.
+imports neither torch nor Ray, so that the Serve ingress stays light. (The coordinator imports it
+too, but it still loads the worker package, and with it torch, to start the worker actors.)
 """
 
 from __future__ import annotations
@@ -71,6 +72,9 @@ class GenRequest(msgspec.Struct, frozen=True, kw_only=True):
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    # output positions produced before this attempt (a continuation after a worker death): the
+    # seeded sampler draws from this position on, so a moved request keeps its tokens
+    sample_offset: int = 0
 
 
 class KVHandle(msgspec.Struct, frozen=True, kw_only=True):

@@ -33,6 +33,7 @@ from moriio_ray.engine.tokenizer import load_tokenizer
 from moriio_ray.errors import CapacityError, ConfigError, InvalidRequest
 from moriio_ray.runtime import coordinator as coord
 from moriio_ray.runtime.bgloop import BackgroundLoop
+from moriio_ray.runtime.deadline import deadline
 from moriio_ray.runtime.detok import IncrementalText
 from moriio_ray.runtime.flows import Flows, FlowState
 from moriio_ray.runtime.messages import GenRequest, Timings
@@ -102,10 +103,18 @@ class PDPipeline:
     # -- membership -----------------------------------------------------------------------------
 
     async def _refresh(self, timeout_s: float = 0.0) -> None:
-        membership = await self.coordinator.get_membership.remote(self.router.membership.version, timeout_s)
+        """Take the coordinator's membership (a long poll of up to ``timeout_s`` for a newer one);
+        DeadlineExceeded if the coordinator does not answer within that plus remote_timeout_s."""
+        limit_s = self.config.runtime.remote_timeout_s
+        membership = await deadline(
+            self.coordinator.get_membership.remote(self.router.membership.version, timeout_s),
+            timeout_s + limit_s,
+            "the coordinator's membership",
+        )
         self.router.update(membership)
         if not self.max_model_len and membership.members:
-            info = await membership.members[0].info_ref
+            first = membership.members[0]
+            info = await deadline(first.info_ref, limit_s, f"the descriptors of {first.key}")
             self.max_model_len = info.max_model_len
             self.vocab_size = info.vocab_size
 
@@ -314,7 +323,11 @@ class PDPipeline:
     # -- management -----------------------------------------------------------------------------
 
     async def stats_async(self) -> dict[str, Any]:
-        stats: dict[str, Any] = await self.coordinator.stats.remote()
+        stats: dict[str, Any] = await deadline(
+            self.coordinator.stats.remote(),
+            coord.WORKER_STATS_TIMEOUT_S + self.config.runtime.remote_timeout_s,
+            "the coordinator's stats",
+        )
         stats["router"] = {"outstanding": dict(self.router.outstanding), "served": dict(self.router.served)}
         stats["flows"] = dict(self.flows.counters)
         return stats

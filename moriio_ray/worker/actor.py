@@ -96,8 +96,11 @@ class EngineWorker:
         await self.core.peers.add_members(members, roles=other.get(self.role, set()))
 
     async def peer_lost(self, key: str, epoch: int) -> None:
-        """A peer died: drop it and fail its in-flight transfers with PeerLost."""
+        """A peer died: drop it and fail its in-flight transfers with PeerLost (P: and free the
+        leases it had been handed)."""
         self.core.peers.lost(key, epoch)
+        if self._prefill is not None:
+            self._prefill.peer_lost(key, epoch)
 
     async def stats(self) -> dict[str, Any]:
         c = self.core
@@ -114,6 +117,7 @@ class EngineWorker:
             "num_graph_replays": c.engine.graphs.num_replays if c.engine.graphs is not None else 0,
             "live_requests": len(c.table),
             "pending_reservations": reserved,
+            "quarantined_requests": len(c.quarantine),
             **stats,
             **c.counters,
         }
@@ -140,9 +144,15 @@ class EngineWorker:
         async for item in self.core.outputs(caller):
             yield item
 
-    async def abort(self, request_id: str) -> None:
-        """Cancel a request: free its blocks, lease and reservation at once, wherever it is."""
-        await self.core.abort(request_id)
+    async def abort(self, request_id: str, push_to: PeerRef | None = None, pushing: bool = True) -> None:
+        """Cancel a request: free its blocks, lease and reservation at once, wherever it is, except
+        what a transfer may still use (a lease D is reading, blocks a late transfer may write: freed
+        once it has ended). P in WRITE: ``push_to`` is the D it pushes to. D in WRITE:
+        ``pushing=False`` says that no P was asked to push into its reservation."""
+        if self._prefill is not None:
+            await self._prefill.abort(request_id, push_to)
+        else:
+            await self.core.abort(request_id, pushing=pushing)
 
     # -- colocated ------------------------------------------------------------------------------
 
@@ -156,7 +166,9 @@ class EngineWorker:
         rec.prefill_out = first = asyncio.get_running_loop().create_future()
         try:
             await c.loop.call_now(
-                lambda: c.engine.add_request(req.request_id, req.prompt_token_ids, req.params)
+                lambda: c.engine.add_request(
+                    req.request_id, req.prompt_token_ids, req.params, sample_offset=req.sample_offset
+                )
             )
             out = await deadline(first, c.config.runtime.remote_timeout_s, f"the prefill of {req.request_id}")
         except BaseException:
@@ -195,6 +207,11 @@ class EngineWorker:
     async def deliver(self, request_id: str, source: Handoff) -> None:
         """P hands over its prefill result for a decode that waits here (or will)."""
         await self._side_d().deliver(request_id, source)
+
+    async def pushes_ended(self, request_id: str) -> None:
+        """WRITE: P's pushes of a request that ended early have ended: nothing more lands in its
+        reservation, whose blocks may be freed."""
+        self._side_d().core.pushes_ended(request_id)
 
     # -- role checks ----------------------------------------------------------------------------
 

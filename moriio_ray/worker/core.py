@@ -20,13 +20,20 @@ from moriio_ray.engine.engine import Engine
 from moriio_ray.engine.outputs import StepOutput
 from moriio_ray.errors import ConfigError, DeadlineExceeded, EngineFailed, MoriioRayError, RequestCancelled
 from moriio_ray.runtime import detached
-from moriio_ray.runtime.messages import GenRequest, Handoff, KVHandle, RequestOutput, Role, error_from
+from moriio_ray.runtime.messages import (
+    GenRequest,
+    Handoff,
+    KVHandle,
+    RequestOutput,
+    Role,
+    error_from,
+)
 from moriio_ray.transfer import create_agent
-from moriio_ray.transfer.handle import Transfer
 from moriio_ray.worker.engine_loop import EngineLoop
 from moriio_ray.worker.mailbox import Mailbox
 from moriio_ray.worker.outputs import STREAM_PERIOD_S, OutputHub
 from moriio_ray.worker.peers import PeerDirectory
+from moriio_ray.worker.quarantine import Quarantine
 from moriio_ray.worker.ranks import close_group, open_group
 from moriio_ray.worker.requests import RequestTable, WorkerRequest
 
@@ -96,7 +103,8 @@ class WorkerCore:
         }
         self._loop: EngineLoop | None = None
         self._background: set[asyncio.Future[Any]] = set()
-        self._quarantined: set[str] = set()  # engine ids whose blocks a late transfer may write
+        # engine ids whose blocks a late transfer may still write
+        self.quarantine = Quarantine(self._free, self.spawn)
         self._closed = False
 
     @property
@@ -162,13 +170,17 @@ class WorkerCore:
 
     # -- ending requests ------------------------------------------------------------------------
 
-    async def abort(self, request_id: str) -> None:
-        """Cancel a request here: its blocks, lease and reservation are freed at once; a request
-        still on its way is refused when it arrives (a cancel mark)."""
+    async def abort(self, request_id: str, *, pushing: bool = True) -> None:
+        """Cancel a request here: its blocks, lease and reservation are freed at once, except blocks
+        that a transfer may still write (quarantined until it has ended); a request still on its way
+        is refused when it arrives (a cancel mark). ``pushing=False`` (WRITE, from the caller): no P
+        was asked to push into this request's reservation."""
         rec = self.table.cancel(request_id)
         late = self.mailbox.abandon(request_id)
         if isinstance(late, KVHandle):  # delivered but never read here: free P's lease
             self.release_lease(late)
+        if not pushing:
+            self.pushes_ended(request_id)
         if rec is not None:
             self.counters["cancelled"] += 1
             if rec.prefill_out is not None and not rec.prefill_out.done():
@@ -177,12 +189,32 @@ class WorkerCore:
                 rec.task.cancel()  # the call serving it cleans up (quarantine included)
                 return
             self.table.close(rec)
+            if self._hold_reservation(rec):
+                return
             engine_id = rec.engine_id
         else:
             engine_id = request_id
-        if engine_id in self._quarantined:
+        if engine_id in self.quarantine:
             return  # a late abort: the quarantine frees these blocks once the transfer has ended
         await self.loop.call_now(lambda: self.engine.abort(engine_id))
+
+    def pushes_ended(self, request_id: str) -> None:
+        """WRITE (D): no push into this request's reservation can land any more (P's result or its
+        notice came, or no P was asked): its blocks may be freed as soon as the request ends."""
+        rec = self.table.get(request_id)
+        if rec is not None:
+            rec.pushes_ended = True
+        self.quarantine.pushes_ended(request_id)
+
+    def _hold_reservation(self, rec: WorkerRequest) -> bool:
+        """WRITE (D): keep an ended request's reserved blocks out of use while P's one-sided pushes
+        may still land in them; True if held."""
+        res, rec.reservation = rec.reservation, None
+        if res is None or rec.pushes_ended:
+            return False
+        until_unix = res.deadline_unix + self.config.transfer.lease_grace_s
+        self.quarantine.hold_push(rec.request_id, rec.engine_id, until_unix)
+        return True
 
     def abort_caller(self, caller: str) -> None:
         """A caller closed its stream or is gone: abort each of its requests."""
@@ -200,24 +232,14 @@ class WorkerCore:
                 self.abort_caller(caller)
 
     def discard(self, rec: WorkerRequest) -> None:
-        """Forget a request that ends here without a stream end: free whatever the engine holds."""
+        """Forget a request that ends here without a stream end: free whatever the engine holds
+        (a WRITE reservation that P may still push into, once the pushes have ended)."""
         self.table.close(rec)
-        engine_id = rec.engine_id
+        if not self._hold_reservation(rec):
+            self._free(rec.engine_id)
+
+    def _free(self, engine_id: str) -> None:
         self.loop.post(lambda: self.engine.abort(engine_id))
-
-    def quarantine(self, engine_id: str, xfer: Transfer, max_wait_s: float) -> None:
-        """Keep blocks out of use until a transfer into them has ended, then free them."""
-
-        async def free_later() -> None:
-            try:
-                await asyncio.to_thread(xfer.wait, max_wait_s)
-            except Exception:
-                pass  # failed or still running after max_wait_s: either way it is over for us
-            self._quarantined.discard(engine_id)
-            self.loop.post(lambda: self.engine.abort(engine_id))
-
-        self._quarantined.add(engine_id)
-        self.spawn(free_later())
 
     def release_lease(self, handle: KVHandle) -> None:
         """Tell P to free a lease (fire and forget: P frees it at lease + grace anyway). Sent
@@ -237,7 +259,9 @@ class WorkerCore:
         (monotonic)."""
         while True:
             blocks = await self.loop.call_now(
-                lambda: self.engine.reserve(engine_id, req.prompt_token_ids, req.params)
+                lambda: self.engine.reserve(
+                    engine_id, req.prompt_token_ids, req.params, sample_offset=req.sample_offset
+                )
             )
             if blocks is not None:
                 return list(blocks)

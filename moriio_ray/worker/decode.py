@@ -4,8 +4,11 @@ READ: reserve blocks, plan one coalesced batch of segments, issue one read insid
 (never past ``lease deadline - read_margin_s``), start decoding, release P's lease. A read that
 fails or runs late recomputes the prompt here (``on_transfer_failure: recompute``) or ends the
 request with its typed error (``fail``); blocks that a read still in flight may write are
-quarantined until it has ended, also when the request is cancelled mid-read.
-WRITE: the blocks were reserved (``reserve``) and P pushed every layer; decoding starts at once.
+quarantined until it has ended, also when the request is cancelled mid-read, and P's lease is
+released only then (the read may still be reading P's blocks).
+WRITE: the blocks were reserved (``reserve``) and P pushed every layer; decoding starts at once. A
+request that ends before P's result came keeps its reservation quarantined until P says its pushes
+have ended (``WorkerCore.pushes_ended``), or until the reservation's deadline plus grace.
 Tensor parallelism: each rank of this engine reads, from every P rank holding some of its KV heads,
 one batched read (``tp_transfer``); the one read is then all of them, under the same deadline.
 """
@@ -15,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 from moriio_ray import metrics
 from moriio_ray.errors import DeadlineExceeded, MoriioRayError, TransferError, TransferTimeout
@@ -87,6 +91,8 @@ class DecodeSide:
 
     async def deliver(self, request_id: str, source: Handoff) -> None:
         """P hands over its prefill result for a decode that waits here (or will)."""
+        if isinstance(source, PushResult):  # every push has landed, whoever takes the result
+            self.core.pushes_ended(request_id)
         if not self.core.mailbox.deliver(request_id, source) and isinstance(source, KVHandle):
             self.core.release_lease(source)  # a duplicate (retried prefill) or an abandoned request
 
@@ -149,8 +155,9 @@ class DecodeSide:
             await _wait(xfer, wait_s)
             transfer_s = time.perf_counter() - t0
         except asyncio.CancelledError:
-            self._quarantine_if_running(rec, xfer)
-            c.release_lease(h)
+            # a read still running may still read P's blocks: P's lease goes once it has ended
+            if not self._quarantine_if_running(rec, xfer, then=lambda: c.release_lease(h)):
+                c.release_lease(h)
             raise
         except (MoriioRayError, TimeoutError) as exc:
             return await self._recompute(rec, req, h, exc, xfer, handoff_unix)
@@ -187,10 +194,13 @@ class DecodeSide:
         log.warning("%s: KV read for %s failed (%s): %s", c.key, rec.request_id, kind, exc)
         c.counters["transfer_failures"] += 1
         metrics.record_failure(kind, role="decode")
-        c.release_lease(h)
+        # a read still running (it timed out) keeps its blocks here, and P's lease, until it ends
+        held = self._quarantine_if_running(rec, xfer, then=lambda: c.release_lease(h))
+        if not held:
+            c.release_lease(h)
         if c.config.transfer.on_transfer_failure == "fail" or isinstance(exc, DeadlineExceeded):
             raise exc  # fail, or no blocks came for the request at all
-        if self._quarantine_if_running(rec, xfer):
+        if held:
             deadline_s = time.monotonic() + c.config.runtime.remote_timeout_s
             try:
                 await c.reserve_blocks(req, rec.engine_id, deadline_s)
@@ -200,13 +210,17 @@ class DecodeSide:
         c.counters["recomputes"] += 1
         return DecodeStart(handoff_unix=handoff_unix, decode_start_unix=time.time(), recomputed=True)
 
-    def _quarantine_if_running(self, rec: WorkerRequest, xfer: Transfer | None) -> bool:
+    def _quarantine_if_running(
+        self, rec: WorkerRequest, xfer: Transfer | None, then: Callable[[], None]
+    ) -> bool:
         """A read still in flight may land in the request's blocks: keep them out of use until it
-        ends, and continue the request (if at all) under a fresh engine id. True if it did so."""
+        ends, then run ``then``, and continue the request (if at all) under a fresh engine id.
+        True if it did so."""
         if xfer is None or xfer.done():
             return False
         c = self.core
-        c.quarantine(rec.engine_id, xfer, c.config.transfer.timeout_s + c.config.transfer.lease_grace_s)
+        max_wait_s = c.config.transfer.timeout_s + c.config.transfer.lease_grace_s
+        c.quarantine.hold_read(rec.engine_id, xfer, max_wait_s, then)
         c.table.rekey(rec, f"{rec.request_id}:recompute")
         return True
 

@@ -1,12 +1,19 @@
 """P's part of a worker: prefill and lease (READ), prefill while pushing each layer (WRITE), release.
 
-Under tensor parallelism every rank pushes its own KV heads (WRITE): rank 0 here, the others on
-``RankGroup.prepare_push`` before the prefill starts; the push is over when every rank's is.
+READ: once P has handed a lease to D, D owns its release (after its read has ended, or when it gives
+up on the handle); a cancel that reaches P then leaves the lease alone, since D's read may still be
+reading it. P frees it itself only when D dies, or at the lease's deadline plus grace.
+WRITE: a push that ends early (cancelled, failed, timed out) starts no more writes; once those
+started have ended, P frees its blocks and tells D (``pushes_ended``), whose reserved blocks stay
+out of use until then. Under tensor parallelism every rank pushes its own KV heads: rank 0 here,
+the others on ``RankGroup.prepare_push`` before the prefill starts; the push is over when every
+rank's is.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 from moriio_ray import metrics
@@ -18,6 +25,8 @@ from moriio_ray.worker.core import WorkerCore
 from moriio_ray.worker.push import LayerPusher, push_targets
 from moriio_ray.worker.requests import WorkerRequest
 
+log = logging.getLogger(__name__)
+
 
 class PrefillSide:
     """Runs prompts and hands their result to D (``deliver_to``) and back to the caller."""
@@ -25,6 +34,9 @@ class PrefillSide:
     def __init__(self, core: WorkerCore) -> None:
         self.core = core
         core.engine.set_layer_hook(self._on_layer)
+        # READ: leases handed to a D, which releases them: transfer id -> (D, when P frees it anyway)
+        self._handed: dict[str, tuple[PeerRef, float]] = {}
+        self._settling: set[str] = set()  # WRITE: requests whose early-ended pushes P still waits for
 
     async def prefill(self, req: GenRequest, deliver_to: PeerRef | None = None) -> KVHandle:
         """READ: prefill, sample the first token and lease the prompt's blocks for D to read."""
@@ -60,16 +72,19 @@ class PrefillSide:
         """WRITE: prefill while pushing each computed layer into D's reserved blocks; then free ours."""
         c = self.core
         rec = c.table.open(req.request_id)
+        pusher: LayerPusher | None = None
+        ok = False
         try:
             peer = await c.peers.get(reservation.engine_key, reservation.epoch)
             assert c.engine.kv_mem is not None
             d_ranks = peer.info.rank_descs()
             targets = push_targets(c.engine.layout, d_ranks)
+            last_push_unix = reservation.deadline_unix - c.config.transfer.read_margin_s
             rec.pusher = pusher = LayerPusher(
-                c.agent, c.engine.kv_mem, c.engine.layout, targets, reservation.block_ids
+                c.agent, c.engine.kv_mem, c.engine.layout, targets, reservation.block_ids, last_push_unix
             )
             if c.group is not None:
-                await c.group.prepare_push(req.request_id, d_ranks, reservation.block_ids)
+                await c.group.prepare_push(req.request_id, d_ranks, reservation.block_ids, last_push_unix)
             pre, reason, prefill_s = await self._prefill(rec, req)
             done_unix = time.time()
             t0 = time.perf_counter()
@@ -91,14 +106,48 @@ class PrefillSide:
                 num_segments=num_segments,
                 finish_reason=reason,
             )
+            ok = True  # every push has landed: the result tells D so
             await self._deliver(deliver_to, req.request_id, result)
             return result
         finally:
             c.table.close(rec)
-            # P keeps nothing once the push is over (or failed): D holds the KV now.
-            c.loop.post(lambda: c.engine.abort(req.request_id))
+            if ok:  # P keeps nothing once the push is over: D holds the KV now
+                c.loop.post(lambda: c.engine.abort(req.request_id))
+            else:  # cancelled or failed: settle the pushes first (off this task: it may be cancelled)
+                d = PeerRef(reservation.engine_key, reservation.epoch)
+                self._settling.add(req.request_id)
+                c.spawn(self._settle(req.request_id, pusher, d), detach=True)
+
+    async def _settle(self, request_id: str, pusher: LayerPusher | None, d: PeerRef) -> None:
+        """A push that ended early: start no more writes, wait for those started (bounded), free
+        P's blocks, and tell D that nothing more will land in its reservation."""
+        c = self.core
+        timeout_s = c.config.transfer.timeout_s
+        settled = True
+        try:
+            if pusher is not None:
+                settled = await asyncio.to_thread(pusher.settle, timeout_s)
             if c.group is not None:
-                c.group.drop_push(req.request_id)  # a no-op where the push was waited for
+                settled = await c.group.settle_push(request_id, timeout_s) and settled
+        finally:
+            c.loop.post(lambda: c.engine.abort(request_id))
+            self._settling.discard(request_id)
+        if settled:
+            await self._pushes_ended(d, request_id)
+        else:  # D frees the reservation at its deadline plus grace instead
+            log.warning(
+                "pushes of %s still ran after %s s; D keeps its blocks to their deadline",
+                request_id,
+                timeout_s,
+            )
+
+    async def _pushes_ended(self, d: PeerRef, request_id: str) -> None:
+        try:
+            peer = await self.core.peers.get(d.key, d.epoch)
+        except Exception as exc:  # D gone: so is its reservation
+            log.info("could not tell %s that the pushes of %s ended: %r", d.key, request_id, exc)
+            return
+        send(peer.actor.pushes_ended, request_id)
 
     async def _wait_pushes(self, request_id: str, pusher: LayerPusher, limit_s: float) -> tuple[int, int]:
         """Wait for this rank's pushes and (tensor parallelism) the other ranks'; (bytes, segments)."""
@@ -119,12 +168,47 @@ class PrefillSide:
         """Hand the result straight to D (one Ray call; the caller gets its own copy)."""
         if to is not None:
             peer = await self.core.peers.get(to.key, to.epoch)
+            if isinstance(result, KVHandle) and result.block_ids:  # D releases it from now on
+                self._hand(result.transfer_id, to)
             send(peer.actor.deliver, request_id, result)  # D releases what it cannot use
+
+    def _hand(self, transfer_id: str, to: PeerRef) -> None:
+        c = self.core
+        now_s = time.monotonic()
+        if len(self._handed) > 1024:  # forget leases that have expired meanwhile
+            self._handed = {t: v for t, v in self._handed.items() if v[1] > now_s}
+        self._handed[transfer_id] = (
+            to,
+            now_s + c.config.transfer.kv_lease_s + c.config.transfer.lease_grace_s,
+        )
 
     async def release(self, transfer_id: str) -> bool:
         """D has read (or given up on) a lease: free P's blocks now."""
+        self._handed.pop(transfer_id, None)
         released: bool = await self.core.loop.call_now(lambda: self.core.engine.release(transfer_id))
         return released
+
+    async def abort(self, request_id: str, push_to: PeerRef | None = None) -> None:
+        """Cancel a request here. A lease already handed to D stays until D releases it (its read
+        may still run). WRITE (``push_to``: the D it pushes to): if no push of it is running here,
+        none will start (the cancel mark refuses it), and D hears so at once."""
+        c = self.core
+        # a push running or settling here tells D itself once it has ended
+        running = c.table.get(request_id) is not None or request_id in self._settling
+        if not running and request_id in self._handed:
+            return
+        await c.abort(request_id)
+        if push_to is not None and not running:
+            await self._pushes_ended(push_to, request_id)
+
+    def peer_lost(self, key: str, epoch: int) -> None:
+        """D died: free the leases handed to it (nobody reads them any more)."""
+        gone = [t for t, (d, _) in self._handed.items() if d.key == key and d.epoch <= epoch]
+        for transfer_id in gone:
+            del self._handed[transfer_id]
+        if gone:
+            engine = self.core.engine
+            self.core.loop.post(lambda: [engine.release(t) for t in gone])
 
     async def _prefill(self, rec: WorkerRequest, req: GenRequest) -> tuple[PrefillResult, str | None, float]:
         """(the prefill's result, the finish reason if the first token ended it, seconds)."""
@@ -134,7 +218,11 @@ class PrefillSide:
         # kept here: the output clears rec.prefill_out, maybe before add_request's call returns
         rec.prefill_out = first = asyncio.get_running_loop().create_future()
         t0 = time.perf_counter()
-        await c.loop.call_now(lambda: c.engine.add_request(req.request_id, req.prompt_token_ids, req.params))
+        await c.loop.call_now(
+            lambda: c.engine.add_request(
+                req.request_id, req.prompt_token_ids, req.params, sample_offset=req.sample_offset
+            )
+        )
         out = await deadline(first, c.config.runtime.remote_timeout_s, f"the prefill of {req.request_id}")
         rec.check_cancelled()
         assert out.prefill is not None, "a prefill engine's output carries its PrefillResult"

@@ -48,6 +48,7 @@ class LayerPusher:
         local_layout: KVLayout,
         targets: list[RankDesc],
         dest_blocks: list[int],
+        last_push_unix: float | None = None,
     ) -> None:
         if not targets:
             raise TransferError(f"{agent.key}: no decode rank holds KV heads {list(local_layout.heads)}")
@@ -56,6 +57,8 @@ class LayerPusher:
         self.local_layout = local_layout
         self.targets = targets
         self.dest_blocks = dest_blocks
+        # no push starts after this (D frees the reservation at its deadline plus grace)
+        self.last_push_unix = last_push_unix
         self.transfers: list[Transfer] = []
         self.error: BaseException | None = None
         self.num_bytes = 0
@@ -67,12 +70,21 @@ class LayerPusher:
         # per target: layer 0's (local, remote, sizes) and the remote layer stride
         self._plans: list[tuple[np.ndarray, np.ndarray, np.ndarray, int]] | None = None
         self._local_stride = layer_stride_bytes(local_layout)
+        self._lock = threading.Lock()  # on_layer (engine thread) against close (asyncio thread)
+        self.closed = False
 
     def on_layer(self, layer: int, local_blocks: list[int]) -> None:
         """Push ``layer`` of the prompt's blocks; errors are kept for ``wait_all`` (never raised here)."""
-        if self.error is not None:
-            return
+        with self._lock:
+            if self.error is None and not self.closed:
+                self._push(layer, local_blocks)
+
+    def _push(self, layer: int, local_blocks: list[int]) -> None:
         try:
+            if self.last_push_unix is not None and time.time() > self.last_push_unix:
+                raise TransferTimeout(
+                    f"{self.agent.key}: the reservation's deadline passed before layer {layer} was pushed"
+                )
             if self._plans is None:
                 self._plans = self._plan(local_blocks)
             local_step = layer * self._local_stride
@@ -115,3 +127,18 @@ class LayerPusher:
             raise self.error
         for xfer in self.transfers:
             xfer.wait(max(0.0, deadline - time.monotonic()))
+
+    def settle(self, timeout_s: float) -> bool:
+        """Start no more pushes, then wait until every push started has ended, well or not (at most
+        ``timeout_s``; blocking). True when none can land any more."""
+        with self._lock:
+            self.closed = True
+            started = list(self.transfers)
+        end_s = time.monotonic() + timeout_s
+        for xfer in started:
+            try:
+                xfer.wait(max(0.0, end_s - time.monotonic()))
+            except Exception:
+                if not xfer.done():
+                    return False  # still running: it may land later
+        return True

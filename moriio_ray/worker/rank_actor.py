@@ -142,27 +142,33 @@ class RankWorker:
         await asyncio.to_thread(wait_all, xfers, timeout_s)
         return sum(x.num_bytes for x in xfers)
 
-    async def prepare_push(self, request_id: str, peer_ranks: list[RankDesc], dest_blocks: list[int]) -> None:
-        """WRITE: push this rank's heads of ``request_id``'s prefill, layer by layer, into D's ranks."""
+    async def prepare_push(
+        self, request_id: str, peer_ranks: list[RankDesc], dest_blocks: list[int], last_push_unix: float
+    ) -> None:
+        """WRITE: push this rank's heads of ``request_id``'s prefill, layer by layer, into D's ranks
+        (none after ``last_push_unix``)."""
         engine = self.engine
         targets = push_targets(engine.layout, peer_ranks)
         for target in targets:
             await asyncio.to_thread(self.agent.connect, target.engine_desc)
-        self.pushers[request_id] = LayerPusher(self.agent, engine.kv_mem, engine.layout, targets, dest_blocks)
+        self.pushers[request_id] = LayerPusher(
+            self.agent, engine.kv_mem, engine.layout, targets, dest_blocks, last_push_unix
+        )
 
     async def wait_push(self, request_id: str, timeout_s: float) -> tuple[int, int]:
         """WRITE: wait for the push of every layer; (bytes, segments)."""
         pusher = self.pushers.get(request_id)
         if pusher is None:
             raise InvalidRequest(f"request_id: {request_id!r} has no push on rank {self.rank} of {self.key}")
-        try:
-            await asyncio.to_thread(pusher.wait_all, timeout_s)
-        finally:
-            self.pushers.pop(request_id, None)
+        await asyncio.to_thread(pusher.wait_all, timeout_s)  # failed: kept for settle_push
+        self.pushers.pop(request_id, None)
         return pusher.num_bytes, pusher.num_segments
 
-    async def drop_push(self, request_id: str) -> None:
-        self.pushers.pop(request_id, None)
+    async def settle_push(self, request_id: str, timeout_s: float) -> bool:
+        """WRITE, the request ended early: start no more pushes and wait (at most ``timeout_s``)
+        until those started have ended. True when none can land any more."""
+        pusher = self.pushers.pop(request_id, None)
+        return True if pusher is None else await asyncio.to_thread(pusher.settle, timeout_s)
 
     def _on_layer(self, layer: int, request_ids: list[str]) -> None:
         # engine thread: push this layer for every request of the batch that has a destination

@@ -101,10 +101,16 @@ class RankGroup:
             self.followers[rank - 1].read.remote(items, timeout_s) for rank, items in pulls.items() if rank
         ]
 
-    async def prepare_push(self, request_id: str, peer_ranks: list[RankDesc], dest_blocks: list[int]) -> None:
+    async def prepare_push(
+        self, request_id: str, peer_ranks: list[RankDesc], dest_blocks: list[int], last_push_unix: float
+    ) -> None:
         await asyncio.gather(
             *(
-                deadline(f.prepare_push.remote(request_id, peer_ranks, dest_blocks), self.timeout_s, "a push")
+                deadline(
+                    f.prepare_push.remote(request_id, peer_ranks, dest_blocks, last_push_unix),
+                    self.timeout_s,
+                    "a push",
+                )
                 for f in self.followers
             )
         )
@@ -119,9 +125,22 @@ class RankGroup:
         )
         return sum(b for b, _ in got), sum(s for _, s in got)
 
-    def drop_push(self, request_id: str) -> None:
-        for f in self.followers:
-            f.drop_push.remote(request_id)
+    async def settle_push(self, request_id: str, timeout_s: float) -> bool:
+        """Every other rank starts no more pushes of ``request_id`` and waits for those started;
+        True when none of them can land any more."""
+        try:
+            settled = await asyncio.gather(
+                *(
+                    deadline(
+                        f.settle_push.remote(request_id, timeout_s), timeout_s + self.timeout_s, "a push"
+                    )
+                    for f in self.followers
+                )
+            )
+        except Exception as exc:  # a rank that died pushes no more; one that does not answer might
+            log.warning("could not settle the pushes of %s on every rank: %r", request_id, exc)
+            return False
+        return all(settled)
 
     def lost(self, keys: list[str]) -> None:
         """A peer engine died: every rank drops its ranks (their transfers fail with PeerLost)."""

@@ -30,6 +30,7 @@ class WorkerRequest:
     caller: str | None = None  # the caller whose output stream carries its tokens
     prefill_out: asyncio.Future[StepOutput] | None = None  # P: resolved by the prefill's output
     reservation: Reservation | None = None  # D (WRITE): the blocks P pushes into
+    pushes_ended: bool = False  # D (WRITE): no push into the reservation can land any more
     pusher: LayerPusher | None = None  # P (WRITE): pushes each computed layer
     task: asyncio.Task[object] | None = None  # the call serving it, cancelled by an abort
     cancelled: bool = False

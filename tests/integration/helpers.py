@@ -25,6 +25,7 @@ def tiny_config(
     transfer: dict[str, Any] | None = None,
     runtime: dict[str, Any] | None = None,
     pool: dict[str, Any] | None = None,
+    engine: dict[str, Any] | None = None,
 ) -> PipelineConfig:
     """A CPU pipeline on the tiny preset; workers take half a CPU so that 2P2D fits in 4."""
     role = {"num_cpus": 0.5}
@@ -37,6 +38,7 @@ def tiny_config(
             "block_size": BLOCK_SIZE,
             "layout": layout,
             "max_num_seqs": 32,
+            **(engine or {}),
         },
         "transfer": {"backend": backend, "mode": mode, **(transfer or {})},
         "pool": {

@@ -174,7 +174,7 @@ def test_cancelling_streams_leaks_nothing(mode: str) -> None:
 @pytest.mark.parametrize("on_failure", ["recompute", "fail"])
 def test_transfer_delayed_past_deadline(on_failure: str) -> None:
     name = f"delay-{on_failure}"
-    transfer = {"timeout_s": 1.0, "kv_lease_s": 5.0, "lease_grace_s": 1.0, "on_transfer_failure": on_failure}
+    transfer = {"timeout_s": 1.0, "kv_lease_s": 20.0, "lease_grace_s": 1.0, "on_transfer_failure": on_failure}
     pipe = PDPipeline.launch(tiny_config(name, transfer=transfer))
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     prompt = varied_prompts(3, seed=2)[2]
@@ -192,13 +192,15 @@ def test_transfer_delayed_past_deadline(on_failure: str) -> None:
                 pipe.generate(token_ids=prompt, params=params)
         assert time.monotonic() - t0 < 3.0  # gave up at the transfer deadline, not the delay
         assert pipe.stats()["workers"][f"{name}-decode-0"]["transfer_failures"] == 1
-        # P's lease is released at once (well before lease + grace = 6 s), D's blocks once the late
-        # read ends.
+        # The late read may still be reading P's blocks: P's lease and D's blocks are held until it
+        # has ended (the hook ends it 3 s after it was issued), then freed, long before the lease
+        # would expire (lease + grace = 21 s).
         wait_until(
             lambda: pipe.stats()["workers"][f"{name}-prefill-0"]["num_leased_blocks"] == 0,
-            1.5,
-            "P's lease to be released",
+            15.0,
+            "P's lease to be released once the late read has ended",
         )
+        assert time.monotonic() - t0 >= 2.5, "P's lease was released while the late read still ran"
         ray.get(d.call.remote(delay_transfers, 0.0))
         assert_no_leaks(pipe, timeout_s=10)
     finally:
