@@ -56,7 +56,9 @@ class Envelope(msgspec.Struct, Generic[C], kw_only=True):
 class CompletionLogprobs(msgspec.Struct, kw_only=True):
     tokens: list[str]
     token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]] | None = None  # alternatives are not returned
+    # One object per token. OpenAI returns the sampled token's logprob beside up to `logprobs`
+    # alternatives; with `logprobs: 0` (the only value accepted) that is the sampled token alone.
+    top_logprobs: list[dict[str, float]]
     text_offset: list[int]
 
 
@@ -88,11 +90,13 @@ class ChatTokenLogprob(msgspec.Struct, kw_only=True):
 
 class ChatLogprobs(msgspec.Struct, kw_only=True):
     content: list[ChatTokenLogprob]
+    refusal: list[ChatTokenLogprob] | None = None  # never a refusal; OpenAI's schema requires the key
 
 
 class AssistantMessage(msgspec.Struct, kw_only=True):
     role: str = "assistant"
     content: str
+    refusal: str | None = None  # never a refusal; OpenAI sends null, and its schema requires the key
 
 
 class ChatChoice(Choice[ChatLogprobs], kw_only=True):
@@ -190,7 +194,10 @@ class CompletionFormat(_Format):
         for text in texts:
             offsets.append(self._offset)
             self._offset += len(text)
-        return CompletionLogprobs(tokens=texts, token_logprobs=list(values), text_offset=offsets)
+        top = [{text: value} for text, value in zip(texts, values, strict=False)]
+        return CompletionLogprobs(
+            tokens=texts, token_logprobs=list(values), top_logprobs=top, text_offset=offsets
+        )
 
     def _chunk_choice(self, text: str, logprobs: Any, finish_reason: str | None) -> CompletionChoice:
         return CompletionChoice(text=text, logprobs=logprobs, finish_reason=finish_reason)

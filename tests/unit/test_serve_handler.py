@@ -147,7 +147,11 @@ def test_chat_whole_and_stream() -> None:
         _run(lambda: _post(_server(pipe), "/v1/chat/completions", {"messages": msgs, "max_tokens": 40}))
     )
     assert status == 200 and body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
-    assert body["choices"][0]["message"] == {"role": "assistant", "content": "user: yo\nassistant:"}
+    assert body["choices"][0]["message"] == {
+        "role": "assistant",
+        "content": "user: yo\nassistant:",
+        "refusal": None,
+    }
 
     async def go() -> list[bytes]:
         reply = await _post(

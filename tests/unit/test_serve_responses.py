@@ -30,6 +30,8 @@ def test_completion_body_parses_with_the_openai_types() -> None:
     assert parsed.usage.total_tokens == 5
     assert parsed.choices[0].logprobs is not None
     assert parsed.choices[0].logprobs.token_logprobs == [-0.1, -0.2]
+    # logprobs: 0 lists no alternatives: each position holds the sampled token alone
+    assert parsed.choices[0].logprobs.top_logprobs == [{"h": -0.1}, {"i": -0.2}]
 
 
 @pytest.mark.timeout(10)
