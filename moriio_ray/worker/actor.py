@@ -123,6 +123,7 @@ class EngineWorker:
             "num_graph_replays": c.engine.graphs.num_replays if c.engine.graphs is not None else 0,
             "live_requests": len(c.table),
             "pending_reservations": reserved,
+            "expired_leases": c.loop.expired_leases,
             **stats,
             **c.counters,
         }

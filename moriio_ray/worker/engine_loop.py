@@ -57,6 +57,7 @@ class EngineLoop:
         self._stop = threading.Event()
         self._last_sweep_s = 0.0
         self._busy_since_s: float | None = None  # when the engine thread entered its current step or call
+        self.expired_leases = 0  # leases freed by the sweep (nobody released them in time)
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
@@ -182,6 +183,7 @@ class EngineLoop:
             self._last_sweep_s = now
             expired = self.engine.sweep_leases()
             if expired:
+                self.expired_leases += len(expired)
                 log.warning("freed %d expired leases: %s", len(expired), expired[:8])
 
     # -- back on the asyncio loop ---------------------------------------------------------------

@@ -25,6 +25,8 @@ from moriio_ray.engine.stopping import truncate_at_stop
 from moriio_ray.engine.tokenizer import load_tokenizer
 from moriio_ray.serve.process import free_port
 from moriio_ray.worker.outputs import CALLER_GRACE_S, STREAM_PERIOD_S
+from tests.e2e.serving import missing_metrics, readme_metrics
+from tests.faults import delay_transfers
 from tests.integration.helpers import tiny_config, varied_prompts, wait_until
 from tests.integration.http_rules import Pool, Streams, post, wait_health
 from tests.integration.rules import reference
@@ -33,8 +35,11 @@ from tests.worker_faults import fail_next_step, live_callers, slow_steps
 NAME = "http-rules"
 P, D = f"{NAME}-prefill-0", f"{NAME}-decode-0"
 REQUEST_TIMEOUT_S = 6.0
+TRANSFER_TIMEOUT_S = 2.0
 CONFIG = msgspec.structs.replace(
-    tiny_config(NAME), serve=ServeConfig(num_replicas=2, request_timeout_s=REQUEST_TIMEOUT_S)
+    # pings every second: at 0.25 s a loaded host misses two of them and a healthy worker is "dead"
+    tiny_config(NAME, transfer={"timeout_s": TRANSFER_TIMEOUT_S}, runtime={"health_check_period_s": 1.0}),
+    serve=ServeConfig(num_replicas=2, request_timeout_s=REQUEST_TIMEOUT_S),
 )
 # A caller that died: its last stream runs out (one period), then no stream for the grace, and the
 # workers look once a period.
@@ -102,6 +107,24 @@ def test_stop_strings_and_logprobs_over_http(url: str, pool: Pool) -> None:
 
 
 @pytest.mark.timeout(120)
+def test_every_metric_the_readme_lists_is_exported(url: str, pool: Pool) -> None:
+    """One read that misses its deadline (a failure, recomputed) among the requests so far; the
+    node's Prometheus endpoint then has a sample of each metric README lists."""
+    pool.call(D, delay_transfers, TRANSFER_TIMEOUT_S + 30.0)
+    try:
+        status, body = post(url, "/v1/completions", {**LONG, "max_tokens": 4})
+    finally:
+        pool.call(D, delay_transfers, 0.0)
+    assert status == 200, body
+    pool.assert_no_leaks(timeout_s=30)  # also sets the block gauges (the workers' stats)
+    node = ray.nodes()[0]
+    names = readme_metrics()
+    assert "ray_moriio_failures_total" in names and len(names) == 9, names
+    missing = missing_metrics([f"{node['NodeManagerAddress']}:{node['MetricsExportPort']}"], names, 60.0)
+    assert not missing, missing
+
+
+@pytest.mark.timeout(120)
 def test_request_timeout_ends_a_stream_with_an_error_event(url: str, pool: Pool) -> None:
     pool.call(D, slow_steps, 0.05)  # 1,800 steps of 50 ms: far past the request timeout
     try:
@@ -156,7 +179,11 @@ def test_callers_that_die_have_their_requests_aborted(url: str, pool: Pool) -> N
         driver_caller = line.split()[1]
         streams.wait_started(90)
         # both replicas (Serve spreads 12 streams) and the driver have requests on D
-        wait_until(lambda: len(pool.call(D, live_callers)) == 3, 30, "three callers on D")
+        try:
+            wait_until(lambda: len(pool.call(D, live_callers)) == 3, 30, "three callers on D")
+        except AssertionError:
+            callers = pool.call(D, live_callers)
+            raise AssertionError(f"callers on D: {callers}; {_running_replicas()} replicas") from None
         assert driver_caller in pool.call(D, live_callers)
         named = ray.util.list_named_actors(all_namespaces=True)
         replicas = [n for n in named if "OpenAIIngress" in n["name"]]
