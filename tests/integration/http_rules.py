@@ -107,7 +107,10 @@ class Pool:
             last = leaks(ray.get(self.coordinator.stats.remote(), timeout=60))
             return not last
 
-        wait_until(clean, timeout_s, f"every engine's blocks to be free again ({last})", poll_s=0.1)
+        try:
+            wait_until(clean, timeout_s, "every engine's blocks to be free again", poll_s=0.1)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}: {last}") from None
 
 
 def wait_health(url: str, status: int, timeout_s: float, poll_s: float = 0.05) -> float:

@@ -39,7 +39,7 @@ P, D0, D1 = f"{NAME}-prefill-0", f"{NAME}-decode-0", f"{NAME}-decode-1"
 TOKEN_HEX = "5a" * 32
 LEASE_S, GRACE_S, MARGIN_S = 2.0, 0.5, 1.0
 REMOTE_TIMEOUT_S = 5.0
-PERIOD_S = 0.25  # runtime.health_check_period_s of tiny_config
+PERIOD_S = 0.5  # runtime.health_check_period_s (the default; at 0.25 a loaded host misses pings)
 SLACK_S = 15.0  # added to a detection bound: a host with two cores under other load is slow to ping
 HANG_S = 600.0  # a hang outlives every test; the coordinator kills the worker long before
 CONFIG = tiny_config(
@@ -47,7 +47,7 @@ CONFIG = tiny_config(
     backend="tcp",
     decode=2,
     transfer={"kv_lease_s": LEASE_S, "lease_grace_s": GRACE_S, "read_margin_s": MARGIN_S, "timeout_s": 10.0},
-    runtime={"remote_timeout_s": REMOTE_TIMEOUT_S},
+    runtime={"remote_timeout_s": REMOTE_TIMEOUT_S, "health_check_period_s": PERIOD_S},
 )
 LONG = SamplingParams(max_tokens=300, ignore_eos=True)
 
@@ -119,11 +119,13 @@ def test_an_unreleased_lease_expires_in_the_running_worker(pipe: PDPipeline) -> 
     def leased() -> int:
         return int(pipe.stats()["workers"][P]["num_leased_blocks"])
 
+    expired = pipe.stats()["workers"][P]["expired_leases"]
     assert leased() == len(handle.block_ids)
     wait_until(lambda: leased() == 0, LEASE_S + GRACE_S + 15, "P to free the expired lease", poll_s=0.05)
     freed_unix = time.time()
     # never before lease + grace (the sweep runs every 0.25 s on the engine thread)
     assert freed_unix >= handle.lease_deadline_unix + GRACE_S
+    assert pipe.stats()["workers"][P]["expired_leases"] == expired + 1  # by the sweep, not a release
     assert_no_leaks(pipe)
 
 

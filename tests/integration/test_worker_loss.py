@@ -24,7 +24,9 @@ pytestmark = pytest.mark.usefixtures("ray_cpu")
 def test_a_second_d_death_ends_the_request_and_nothing_is_replaced() -> None:
     name = "no-replace"
     d0, d1 = f"{name}-decode-0", f"{name}-decode-1"
-    config = tiny_config(name, decode=2, runtime={"replace_dead_workers": False})
+    # pings every second: no healthy worker is taken for dead on a loaded host
+    runtime = {"replace_dead_workers": False, "health_check_period_s": 1.0}
+    config = tiny_config(name, decode=2, runtime=runtime)
     assert config.transfer.on_transfer_failure == "recompute"
     pipe = PDPipeline.launch(config)
     try:
