@@ -170,6 +170,21 @@ def test_d_out_of_kv_blocks_waits_within_the_lease_then_fails_typed(pipe: PDPipe
 
 
 @pytest.mark.timeout(90)
+def test_p_out_of_kv_blocks_queues_the_prompt_until_blocks_free(pipe: PDPipeline) -> None:
+    num_blocks = CONFIG.engine.num_blocks
+    assert num_blocks is not None
+    # A lease nobody releases holds all but 4 of P's blocks until lease + grace (2.5 s).
+    hog = pipe.make_request(token_ids=[67] * 16 * (num_blocks - 4), params=SamplingParams(max_tokens=1))
+    handle = ray.get(actor(pipe, P).prefill.remote(hog, None), timeout=30)
+    prompt, params, expected = one_request(seed=23, max_tokens=4)
+    assert len(prompt) > 4 * 16
+    r = pipe.generate(token_ids=prompt, params=params)  # waits on P, within remote_timeout_s
+    assert r.token_ids == expected
+    assert time.time() >= handle.lease_deadline_unix + GRACE_S  # it ran once the lease was swept
+    assert_no_leaks(pipe)
+
+
+@pytest.mark.timeout(90)
 def test_a_call_that_never_answers_ends_at_remote_timeout(pipe: PDPipeline) -> None:
     p_epoch = epoch(pipe, P)
     ray.get(actor(pipe, P).call.remote(ignore_prefills, True), timeout=30)
@@ -196,10 +211,15 @@ def test_p_dying_during_ds_read_is_recomputed_on_d(pipe: PDPipeline) -> None:
         result = pool.submit(pipe.generate, token_ids=prompt, params=params)
         assert ray.get(p_actor.call.remote(wait_stalled, 60.0), timeout=90), "D's read never reached P"
         ray.kill(p_actor, no_restart=True)  # mid-read: P has sent nothing of the KV yet
+        killed_s = time.monotonic()
+        # the coordinator's next ping fails at once: within a period and a round trip ("about a second")
+        wait_until(lambda: epoch(pipe, P) != p_epoch, PERIOD_S + 1.0 + SLACK_S, "the coordinator to see it")
+        noticed_s = time.monotonic() - killed_s
         r = result.result(timeout=60)
     assert r.token_ids == expected and r.timings.recomputed
     assert sum(pipe.stats()["workers"][k]["transfer_failures"] for k in (D0, D1)) == failures + 1
     wait_replaced(pipe, P, p_epoch)
+    print(f"P's death was noticed {noticed_s:.2f} s after the kill")
     assert pipe.generate(token_ids=prompt, params=params).token_ids == expected
     assert_no_leaks(pipe)
 
