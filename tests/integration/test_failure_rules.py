@@ -18,7 +18,7 @@ import ray
 from moriio_ray import PDPipeline, SamplingParams
 from moriio_ray.config import TransferConfig
 from moriio_ray.engine.stopping import truncate_at_stop
-from moriio_ray.errors import DeadlineExceeded, EngineFailed, MoriioRayError, TokenRejected
+from moriio_ray.errors import CapacityError, DeadlineExceeded, EngineFailed, MoriioRayError, TokenRejected
 from moriio_ray.transfer import create_agent
 from tests.faults import delay_transfers
 from tests.integration.helpers import assert_no_leaks, tiny_config, varied_prompts, wait_until
@@ -167,6 +167,8 @@ def test_d_out_of_kv_blocks_waits_within_the_lease_then_fails_typed(pipe: PDPipe
     assert_no_leaks(pipe, timeout_s=LEASE_S + GRACE_S + 15)
     r = pipe.generate(token_ids=prompt, params=SamplingParams(max_tokens=4, ignore_eos=True))
     assert len(r.token_ids) == 4
+    with pytest.raises(CapacityError, match="exceeds the model's length"):  # can never fit: at once
+        pipe.generate(token_ids=[65] * (num_blocks * 16 - 8), params=SamplingParams(max_tokens=16))
 
 
 @pytest.mark.timeout(90)
