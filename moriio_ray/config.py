@@ -203,8 +203,8 @@ class PoolConfig(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
 class RuntimeConfig(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
     """Coordinator and worker behaviour."""
 
-    health_check_period_s: float = 0.5  # a dead worker is noticed within about 4 periods
-    remote_timeout_s: float = 60.0  # deadline on every remote await that has no tighter one
+    health_check_period_s: float = 0.5  # a dead worker: the next ping; a silent one: 2 missed (5 periods)
+    remote_timeout_s: float = 60.0  # every remote await without a tighter deadline; a hung engine step
     prefill_retries: int = 1  # retry a prefill on another P when its P dies
     replace_dead_workers: bool = True
     worker_start_timeout_s: float = 300.0

@@ -13,15 +13,34 @@ def log_level() -> str:
     return os.environ.get("MORIIO_RAY_LOG_LEVEL", "INFO").upper()
 
 
-def cluster_token() -> bytes:
-    """The shared token that tcp servers require.
+def configured_cluster_token() -> bytes | None:
+    """MORIIO_RAY_CLUSTER_TOKEN (hex) as bytes, or None when it is unset or empty.
 
-    MORIIO_RAY_CLUSTER_TOKEN (hex) when set; otherwise one random token per process, so that
-    agents in one process (tests, benchmarks) agree. Across processes the coordinator hands the
-    token to every worker explicitly.
+    The coordinator's launcher reads it, and the coordinator hands it to every worker; without it
+    the coordinator draws a fresh token. ConfigError when it is not an even number of hex digits.
     """
-    value = os.environ.get("MORIIO_RAY_CLUSTER_TOKEN", "")
-    return bytes.fromhex(value) if value else _PROCESS_TOKEN
+    value = os.environ.get("MORIIO_RAY_CLUSTER_TOKEN", "").strip()
+    if not value:
+        return None
+    try:
+        return bytes.fromhex(value)
+    except ValueError:
+        from moriio_ray.errors import ConfigError
+
+        raise ConfigError(
+            "MORIIO_RAY_CLUSTER_TOKEN: expected an even number of hex digits (`openssl rand -hex 32`)"
+        ) from None
+
+
+def cluster_token() -> bytes:
+    """The shared token that tcp servers require of an agent made without an explicit one.
+
+    MORIIO_RAY_CLUSTER_TOKEN when set; otherwise one random token per process, so that agents in
+    one process (tests, benchmarks) agree. Across processes the coordinator hands the token to
+    every worker explicitly.
+    """
+    token = configured_cluster_token()
+    return token if token is not None else _PROCESS_TOKEN
 
 
 def cuda_visible_devices() -> str | None:

@@ -56,9 +56,11 @@ class Slot:
 class Coordinator:
     """See the module docstring. All methods are async; the actor runs them on one event loop."""
 
-    def __init__(self, config: PipelineConfig) -> None:
+    def __init__(self, config: PipelineConfig, token: bytes | None = None) -> None:
         self.config = config
-        self.token = secrets.token_bytes(32)
+        # the cluster token every worker's agent requires of its peers: the one the launching
+        # process was given (MORIIO_RAY_CLUSTER_TOKEN), else a fresh one
+        self.token = token if token is not None else secrets.token_bytes(32)
         logging.getLogger("moriio_ray").setLevel(env.log_level())
         self.version = 0
         self.slots: list[Slot] = []
@@ -73,10 +75,20 @@ class Coordinator:
     # -- start ----------------------------------------------------------------------------------
 
     async def start(self) -> int:
-        """Create the pool (once) and wait until every worker is ready; returns the membership version."""
+        """Create the pool (once) and wait until every worker is ready; returns the membership version.
+
+        A start that fails (no room for the placement group, a worker not ready within
+        ``runtime.worker_start_timeout_s``) leaves nothing behind: no worker, no placement group.
+        The next ``start`` tries again."""
         if self._started is None:
             self._started = asyncio.ensure_future(self._start())
-        await asyncio.shield(self._started)
+        started = self._started
+        try:
+            await asyncio.shield(started)
+        except BaseException:
+            if started.done() and self._started is started:
+                self._started = None
+            raise
         return self.version
 
     async def _start(self) -> None:
@@ -93,13 +105,33 @@ class Coordinator:
         timeout_s = self.config.runtime.worker_start_timeout_s
         ready, _ = await asyncio.to_thread(ray.wait, [self.pg.ready()], timeout=timeout_s)
         if not ready:
+            self._release_pool()
             raise CapacityError(
-                f"the placement group {bundles} (strategy {self.config.pool.placement_strategy}) could "
-                f"not be scheduled within {timeout_s} s; the cluster has {ray.available_resources()}"
+                f"runtime.worker_start_timeout_s: the placement group {bundles} (strategy "
+                f"{self.config.pool.placement_strategy}) could not be scheduled within {timeout_s} s; "
+                f"the cluster has {ray.available_resources()}"
             )
         self.slots = roles
-        await asyncio.gather(*(self._spawn(slot) for slot in self.slots))
+        # every slot's start ends (each bounded by worker_start_timeout_s) before a failure is
+        # cleaned up, so that no worker is published after the pool was released
+        results = await asyncio.gather(*(self._spawn(slot) for slot in self.slots), return_exceptions=True)
+        failure = next((r for r in results if isinstance(r, BaseException)), None)
+        if failure is not None:
+            self._release_pool()
+            raise failure
         self._health = asyncio.ensure_future(self._health_loop())
+
+    def _release_pool(self) -> None:
+        """Kill every worker of the pool and give its placement group back (a failed start)."""
+        for slot in self.slots:
+            if slot.member is not None:
+                kill_all([slot.member.actor])
+            kill_all(slot.ranks)
+            slot.member, slot.ranks = None, []
+        self.slots = []
+        if self.pg is not None:
+            remove_placement_group(self.pg)
+            self.pg = None
 
     def _role_slots(self) -> list[Slot]:
         pool = self.config.pool
@@ -150,7 +182,8 @@ class Coordinator:
             kill_all([actor, *ranks])
             slot.starting = False
             raise DeadlineExceeded(
-                f"worker {key} was not ready within {self.config.runtime.worker_start_timeout_s} s"
+                f"runtime.worker_start_timeout_s: worker {key} was not ready within "
+                f"{self.config.runtime.worker_start_timeout_s} s"
             ) from None
         except BaseException:
             kill_all([actor, *ranks])
@@ -310,6 +343,7 @@ def get_or_create(config: PipelineConfig, *, detached: bool) -> Any:
     """The coordinator actor of ``config.name``: the running one, or a new one."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+    token = env.configured_cluster_token()  # read here: the launching process's environment
     actor_cls = ray.remote(Coordinator)
     # On the launching process's node: usually the head, which outlives worker nodes.
     here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
@@ -322,7 +356,7 @@ def get_or_create(config: PipelineConfig, *, detached: bool) -> Any:
         num_cpus=0,
         max_concurrency=4096,
         max_restarts=0,
-    ).remote(config)
+    ).remote(config, token)
 
 
 def get_existing(name: str) -> Any:

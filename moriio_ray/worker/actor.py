@@ -85,9 +85,18 @@ class EngineWorker:
         )
 
     async def check_health(self) -> bool:
-        error = self.core.loop.error
-        if error is not None:
-            raise RuntimeError(f"engine loop of {self.core.key} failed: {error!r}")
+        """True, or raise (the coordinator then replaces this worker): when the engine loop failed,
+        or when its thread has been inside one step or call for longer than
+        ``runtime.remote_timeout_s`` (hung: every call waiting on it would miss its deadline)."""
+        loop, limit_s = self.core.loop, self.core.config.runtime.remote_timeout_s
+        if loop.error is not None:
+            raise RuntimeError(f"engine loop of {self.core.key} failed: {loop.error!r}")
+        stalled_s = loop.stalled_s()
+        if stalled_s > limit_s:
+            raise RuntimeError(
+                f"the engine thread of {self.core.key} has been in one step or call for {stalled_s:.1f} s, "
+                f"more than runtime.remote_timeout_s ({limit_s} s): it is hung"
+            )
         return True
 
     async def update_members(self, members: list[Member]) -> None:
@@ -118,6 +127,7 @@ class EngineWorker:
             "live_requests": len(c.table),
             "pending_reservations": reserved,
             "quarantined_requests": len(c.quarantine),
+            "expired_leases": c.loop.expired_leases,
             **stats,
             **c.counters,
         }

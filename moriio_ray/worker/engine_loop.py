@@ -7,6 +7,10 @@ groups them by caller, so a step costs one hop however many requests it advanced
 
 Threads: the engine thread runs ``_run`` (steps, calls, lease sweeps); everything else here runs on
 the worker's asyncio loop.
+
+A hung engine thread (a step or call that never returns: a device hang, a deadlock) leaves the
+asyncio loop answering pings, so ``stalled_s`` tells the worker's health check how long the thread
+has been inside its current step or call; past a bound the worker reports itself unhealthy.
 """
 
 from __future__ import annotations
@@ -52,6 +56,8 @@ class EngineLoop:
         self._step_waiters: list[asyncio.Future[None]] = []
         self._stop = threading.Event()
         self._last_sweep_s = 0.0
+        self._busy_since_s: float | None = None  # when the engine thread entered its current step or call
+        self.expired_leases = 0  # leases freed by the sweep (nobody released them in time)
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
@@ -91,6 +97,12 @@ class EngineLoop:
         self._step_waiters.append(fut)
         await fut
 
+    def stalled_s(self) -> float:
+        """How long the engine thread has been inside its current step or call (0 while it waits
+        for work): a thread that stays in one for long is hung."""
+        since = self._busy_since_s
+        return 0.0 if since is None else max(0.0, time.monotonic() - since)
+
     def stop(self, timeout_s: float = 5.0) -> None:
         self._stop.set()
         self._calls.put(None)
@@ -110,7 +122,9 @@ class EngineLoop:
                 self._serve_calls(block=not self.engine.has_work())
                 self._maybe_sweep()
                 if self.engine.has_work():
+                    self._busy_since_s = time.monotonic()
                     outputs = self.engine.step()
+                    self._busy_since_s = None
                     self._loop.call_soon_threadsafe(self._dispatch, outputs)
                 elif self._step_waiters:
                     self._loop.call_soon_threadsafe(self._dispatch, [])
@@ -149,6 +163,7 @@ class EngineLoop:
             if item is None:
                 continue
             fn, fut = item
+            self._busy_since_s = time.monotonic()
             try:
                 result = fn()
             except BaseException as exc:
@@ -159,6 +174,8 @@ class EngineLoop:
             else:
                 if fut is not None:
                     self._loop.call_soon_threadsafe(_set_result, fut, result)
+            finally:
+                self._busy_since_s = None
 
     def _maybe_sweep(self) -> None:
         now = time.monotonic()
@@ -166,6 +183,7 @@ class EngineLoop:
             self._last_sweep_s = now
             expired = self.engine.sweep_leases()
             if expired:
+                self.expired_leases += len(expired)
                 log.warning("freed %d expired leases: %s", len(expired), expired[:8])
 
     # -- back on the asyncio loop ---------------------------------------------------------------

@@ -17,7 +17,6 @@ import torch
 from moriio_ray.errors import PeerLost, SegmentOutOfBounds, StaleDescriptor, TokenRejected, TransferTimeout
 from moriio_ray.transfer import MemoryDesc, Transfer, TransferAgent
 from tests.contract.harness import Harness, Hold, PeerProcess, pattern
-from tests.faults import DelayingAgent
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -215,15 +214,22 @@ class ContractSuite:
 
     # -- timeouts and failures ------------------------------------------------------------------
 
-    @pytest.mark.timeout(30)
-    def test_timeout_with_injected_delay(self, harness: Harness) -> None:
-        a, _, ta, ma, _, mb = pair(harness, MiB)
-        x = DelayingAgent(a, 1.0).read(ma, mb, [0], [0], [MiB])
+    @pytest.mark.timeout(60)
+    def test_wait_timeout_leaves_a_parked_transfer_running(self, harness: Harness) -> None:
+        """A caller's own wait timeout ends the wait, not the transfer: held mid-way through its
+        data, it is not done; released, it completes with every byte in place."""
+        require_hold(harness)
+        a, b, ta, ma, _, mb = pair(harness, BIG, timeout_s=TIMEOUT_S)
+        x, hold = parked_read(harness, a, b, ma, mb)
         with pytest.raises(TransferTimeout):
             x.wait(0.05)
         assert not x.done()
-        x.wait(WAIT_S)  # the transfer went on
-        assert np.array_equal(host(ta), pattern(1, MiB))
+        hold.release()
+        x.wait(WAIT_S)
+        assert x.done() and x.error() is None and x.bytes_moved == BIG
+        segment = 64 * KiB  # big_batch: local segment i holds remote segment n - 1 - i
+        expect = pattern(1, BIG).reshape(BIG // segment, segment)[::-1].reshape(-1)
+        assert np.array_equal(host(ta), expect)
 
     @pytest.mark.timeout(60)
     def test_timeout_with_paused_peer(self, harness: Harness) -> None:
@@ -281,11 +287,9 @@ class ContractSuite:
         require_hold(harness)
         a, b, _, ma, _, mb = pair(harness, BIG, timeout_s=TIMEOUT_S)
         x, hold = parked_read(harness, a, b, ma, mb)
-        start = time.monotonic()
         a.disconnect("prefill-0")
         with pytest.raises(PeerLost, match="disconnected"):
-            x.wait(TIMEOUT_S)
-        assert time.monotonic() - start < 1.0
+            x.wait(TIMEOUT_S)  # the disconnect ends it: the transfer's own deadline would say "timeout"
         hold.release()
         with pytest.raises(PeerLost):
             a.read(ma, mb, [0], [0], [4096])

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import contextlib
+import re
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from moriio_ray.serve.process import ServeProcess
+
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 @contextlib.contextmanager
@@ -87,3 +91,29 @@ class Shared:
         stack, self._stack, self._proc = self._stack, None, None
         if stack is not None:
             stack.close()
+
+
+def readme_metrics() -> list[str]:
+    """The metric names that README.md's Metrics section lists (``ray_moriio_...``)."""
+    section = README.read_text().split("\n## Metrics\n", 1)[1].split("\n## ", 1)[0]
+    return sorted(set(re.findall(r"`(ray_moriio_[a-z_]+)`", section)))
+
+
+def missing_metrics(targets: list[str], names: list[str], timeout_s: float) -> list[str]:
+    """Scrape ``host:port/metrics`` of every target until each name has a sample (a histogram's
+    ``_bucket``, ``_sum``, ``_count`` count) or ``timeout_s`` passed; the names still missing."""
+    deadline_s = time.monotonic() + timeout_s
+    missing = list(names)
+    while True:
+        pages = []
+        for target in targets:
+            try:
+                with urllib.request.urlopen(f"http://{target}/metrics", timeout=5) as resp:
+                    pages.append(resp.read().decode())
+            except OSError:
+                continue
+        text = "\n".join(pages)
+        missing = [n for n in names if not re.search(rf"^{n}(_bucket|_sum|_count)?[{{ ]", text, re.M)]
+        if not missing or time.monotonic() > deadline_s:
+            return missing
+        time.sleep(1.0)  # Ray's metrics agent exports on a period of a few seconds

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import urllib.request
 from typing import Any
 
 import httpx
@@ -20,7 +19,7 @@ import pytest
 
 from moriio_ray.serve.process import ServeProcess
 from moriio_ray.transfer.shm_segment import SHM_DIR
-from tests.e2e.serving import Shared, quiet, wait_quiet, worker_stats
+from tests.e2e.serving import Shared, missing_metrics, quiet, readme_metrics, wait_quiet, worker_stats
 
 MODEL = "tiny"
 MAX_MODEL_LEN = 2048  # configs/tiny_1p1d_cpu.yaml
@@ -278,22 +277,15 @@ def test_backpressure_429_beyond_max_ongoing_requests(server: ServeProcess) -> N
 @pytest.mark.timeout(90)
 def test_metrics_on_rays_prometheus_endpoint(server: ServeProcess, client: openai.OpenAI) -> None:
     client.completions.create(model=MODEL, prompt="metrics please", max_tokens=4, temperature=0)
+    assert server.get("/stats")[0] == 200  # the block gauges are set when the workers report
     targets = server.metrics_targets()
     assert targets, "Ray wrote no Prometheus service-discovery file"
-    deadline_s = time.monotonic() + 60
-    found: list[str] = []
-    while not found and time.monotonic() < deadline_s:
-        for target in targets:
-            try:
-                with urllib.request.urlopen(f"http://{target}/metrics", timeout=5) as resp:
-                    text = resp.read().decode()
-            except OSError:
-                continue
-            if "moriio_ttft_seconds" in text or "moriio_transfer_bytes" in text:
-                found.append(target)
-        if not found:
-            time.sleep(1.0)  # Ray's metrics agent exports on a period of a few seconds
-    assert found, f"no moriio metric on any of {targets}"
+    # every metric README lists; failures_total has a sample only once a failure happened
+    # (tests/integration/test_http_failures.py causes one and checks it)
+    names = [n for n in readme_metrics() if n != "ray_moriio_failures_total"]
+    assert len(names) == 8, names
+    missing = missing_metrics(targets, names, 60.0)
+    assert not missing, f"not exported on any of {targets}: {missing}"
 
 
 @pytest.mark.timeout(120)

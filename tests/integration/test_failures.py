@@ -15,10 +15,12 @@ from moriio_ray.errors import PeerLost, TransferTimeout
 from moriio_ray.transfer.shm_segment import PREFIX, SHM_DIR
 from tests.faults import delay_transfers
 from tests.integration.helpers import assert_no_leaks, tiny_config, varied_prompts, wait_until
+from tests.integration.reference import colocated_tokens
 
 pytestmark = pytest.mark.usefixtures("ray_cpu")
 
 LONG = SamplingParams(max_tokens=120, ignore_eos=True)
+PROMPTS = varied_prompts(8, seed=7)
 
 
 def _member(pipe: PDPipeline, key: str) -> Any:
@@ -34,7 +36,7 @@ async def _consume(pipe: PDPipeline, ids: list[int], params: SamplingParams, see
     """Stream one request; record which decode worker serves it and how many tokens came."""
     tokens: list[int] = []
     rid = f"r{len(seen)}-{random.getrandbits(32)}"
-    seen[rid] = {"tokens": tokens, "decode": set(), "error": None, "ended": None}
+    seen[rid] = {"ids": ids, "tokens": tokens, "decode": set(), "error": None, "ended": None}
     try:
         async for ev in pipe.stream(token_ids=ids, params=params, request_id=rid):
             tokens.extend(ev.token_ids)
@@ -48,7 +50,7 @@ async def _consume(pipe: PDPipeline, ids: list[int], params: SamplingParams, see
 async def _run_until(pipe: PDPipeline, params: SamplingParams, n: int, min_tokens: int, action: Any) -> dict:
     """Start n streams; once each has min_tokens, run ``action`` (a kill); then wait for all."""
     seen: dict[str, Any] = {}
-    prompts = varied_prompts(n, seed=7)
+    prompts = PROMPTS[:n]
     tasks = [asyncio.ensure_future(_consume(pipe, p, params, seen)) for p in prompts]
     deadline = time.monotonic() + 60
     while not (len(seen) == n and all(len(s["tokens"]) >= min_tokens for s in seen.values())):
@@ -77,14 +79,19 @@ def test_decode_worker_killed_mid_stream(mode: str, on_failure: str) -> None:
         on_victim = [s for s in out["seen"].values() if victim in s["decode"]]
         others = [s for s in out["seen"].values() if victim not in s["decode"]]
         assert on_victim, "no request was served by the killed worker"
+        expected = {
+            tuple(ids): want for ids, want in zip(PROMPTS, colocated_tokens(PROMPTS, LONG), strict=True)
+        }
         for s in others:
-            assert s["error"] is None and len(s["tokens"]) == 120
+            assert s["error"] is None and s["tokens"] == expected[tuple(s["ids"])]
         for s in on_victim:
+            want = expected[tuple(s["ids"])]
             if on_failure == "fail":
                 assert isinstance(s["error"], PeerLost), s["error"]
                 assert s["ended"] - out["killed_at"] < 5.0
-            else:
-                assert s["error"] is None and len(s["tokens"]) == 120
+                assert s["tokens"] == want[: len(s["tokens"])]
+            else:  # continued on another pair from the tokens streamed: the colocated tokens
+                assert s["error"] is None and s["tokens"] == want
         # The coordinator replaces the dead worker at a new epoch, and the replacement serves.
         wait_until(lambda: _epoch(pipe, victim) == 2, 30, "a replacement decode worker")
         # The SIGKILLed worker's shared memory is swept by its replacement.
@@ -173,15 +180,19 @@ def test_cancelling_streams_leaks_nothing(mode: str) -> None:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("on_failure", ["recompute", "fail"])
 def test_transfer_delayed_past_deadline(on_failure: str) -> None:
+    """A read that would finish only after ``delay_s`` ends at its 1 s deadline; D frees its own
+    blocks, and releases P's lease, once the late read is over for it (none expires)."""
     name = f"delay-{on_failure}"
-    transfer = {"timeout_s": 1.0, "kv_lease_s": 20.0, "lease_grace_s": 1.0, "on_transfer_failure": on_failure}
+    delay_s = 30.0  # far past the transfer's deadline (1 s): the bounds below can be generous
+    transfer = {"timeout_s": 1.0, "kv_lease_s": 30.0, "lease_grace_s": 5.0, "on_transfer_failure": on_failure}
     pipe = PDPipeline.launch(tiny_config(name, transfer=transfer))
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     prompt = varied_prompts(3, seed=2)[2]
+    p_key, d_key = f"{name}-prefill-0", f"{name}-decode-0"
     try:
         expected = pipe.generate(token_ids=prompt, params=params).token_ids
-        d = _member(pipe, f"{name}-decode-0").actor
-        ray.get(d.call.remote(delay_transfers, 3.0))
+        d = _member(pipe, d_key).actor
+        ray.get(d.call.remote(delay_transfers, delay_s))
         t0 = time.monotonic()
         if on_failure == "recompute":
             result = pipe.generate(token_ids=prompt, params=params)
@@ -190,18 +201,15 @@ def test_transfer_delayed_past_deadline(on_failure: str) -> None:
         else:
             with pytest.raises(TransferTimeout):
                 pipe.generate(token_ids=prompt, params=params)
-        assert time.monotonic() - t0 < 3.0  # gave up at the transfer deadline, not the delay
-        assert pipe.stats()["workers"][f"{name}-decode-0"]["transfer_failures"] == 1
-        # The late read may still be reading P's blocks: P's lease and D's blocks are held until it
-        # has ended (the hook ends it 3 s after it was issued), then freed, long before the lease
-        # would expire (lease + grace = 21 s).
-        wait_until(
-            lambda: pipe.stats()["workers"][f"{name}-prefill-0"]["num_leased_blocks"] == 0,
-            15.0,
-            "P's lease to be released once the late read has ended",
-        )
-        assert time.monotonic() - t0 >= 2.5, "P's lease was released while the late read still ran"
+        assert time.monotonic() - t0 < delay_s / 2  # gave up at the transfer deadline, not the delay
+        assert pipe.stats()["workers"][d_key]["transfer_failures"] == 1
+        # The late read may still be reading P's blocks: D quarantines its blocks until the read
+        # has ended, at most transfer timeout + grace (6 s), and only then releases P's lease,
+        # long before it could expire (lease + grace = 35 s).
+        wait_until(lambda: pipe.stats()["workers"][p_key]["num_leased_blocks"] == 0, 20, "P's lease released")
+        assert time.monotonic() - t0 >= 5.0, "P's lease was released while D still quarantined the read"
+        assert pipe.stats()["workers"][p_key]["expired_leases"] == 0
         ray.get(d.call.remote(delay_transfers, 0.0))
-        assert_no_leaks(pipe, timeout_s=10)
+        assert_no_leaks(pipe, timeout_s=20)  # D's blocks: once the late read is over for D
     finally:
         pipe.shutdown()

@@ -8,7 +8,6 @@ new node with the label takes the replacement.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -99,23 +98,21 @@ def test_spread_tcp_pipeline_and_node_loss(cluster: Cluster) -> None:
                         n += len(ev.token_ids)
                         if n >= 5:
                             started.set()
-                    outcomes.append(("done", n, time.monotonic()))
+                    outcomes.append(("done", n))
                 except Exception as exc:
-                    outcomes.append((exc, n, time.monotonic()))
+                    outcomes.append((exc, n))
 
             tasks = [asyncio.ensure_future(one(p)) for p in prompts[:4]]
             await asyncio.wait_for(started.wait(), 60)
-            killed_at = time.monotonic()
             await asyncio.to_thread(cluster.remove_node, d_ray_node)
+            # every stream ends once the node is gone (bounded; the tight bound is test_failures')
             await asyncio.wait_for(asyncio.gather(*tasks), 60)
-            return [(o, n, t - killed_at) for o, n, t in outcomes]
+            return outcomes
 
         outcomes = pipe._sync(run())
-        for outcome, n, after_s in outcomes:
+        for outcome, n in outcomes:
             assert isinstance(outcome, PeerLost) or (outcome == "done" and n == 400), (outcome, n)
-            if isinstance(outcome, PeerLost):
-                assert after_s < 5.0, f"a request ended only {after_s:.1f} s after the node died"
-        assert any(isinstance(o, PeerLost) for o, _n, _t in outcomes)
+        assert any(isinstance(o, PeerLost) for o, _n in outcomes)
 
         # A fresh node with the decode label takes the replacement, which then serves.
         cluster.add_node(num_cpus=1, labels={LABEL: "decode"})

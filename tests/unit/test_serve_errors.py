@@ -6,6 +6,7 @@ import asyncio
 import gc
 
 import pytest
+import ray.exceptions  # the exception classes only: no Ray is started
 
 from moriio_ray.errors import (
     CapacityError,
@@ -19,8 +20,11 @@ from moriio_ray.serve.admission import Admission
 from moriio_ray.serve.errors import APIError, from_exception
 
 
-class RayActorError(Exception):
-    """Stands in for ray.exceptions.RayActorError, which the mapping recognises by name."""
+def _task_error(cause: Exception) -> Exception:
+    """What an await on a worker's call raises when the worker raised ``cause``."""
+    return ray.exceptions.RayTaskError(
+        "fn", "Traceback (most recent call last): ...", cause
+    ).as_instanceof_cause()
 
 
 @pytest.mark.timeout(10)
@@ -35,7 +39,12 @@ class RayActorError(Exception):
         (asyncio.TimeoutError(), False, 503),
         (PeerLost("gone"), False, 503),
         (TransferTimeout("slow"), False, 503),
-        (RayActorError("died"), False, 503),
+        (ray.exceptions.RayActorError(), False, 503),
+        (ray.exceptions.ActorDiedError(), False, 503),
+        (ray.exceptions.ActorUnavailableError("restarting", None), False, 503),
+        (_task_error(PeerLost("gone")), False, 503),
+        (_task_error(InvalidRequest("top_k: 999 is out of range")), True, 400),
+        (_task_error(RuntimeError("bug")), False, 500),
         (RuntimeError("bug"), False, 500),
     ],
 )
