@@ -121,6 +121,7 @@ class PagedTiles:
         firsts = np.concatenate([[0], np.cumsum(per_seq)[:-1]]).astype(np.int32)
         tile_q0 = (np.arange(len(tile_seq), dtype=np.int32) - np.repeat(firsts, per_seq)) * block_q
         q_start = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int32)
+
         def dev(a: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(a).to(device, non_blocking=True)
 
