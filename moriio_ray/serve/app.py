@@ -100,6 +100,7 @@ class OpenAIIngress:
             max_ongoing_requests=cfg.serve.max_ongoing_requests,
             request_timeout_s=cfg.serve.request_timeout_s,
             live_roles=self._live_roles,
+            stream_interval=cfg.serve.stream_interval,
         )
 
     async def _live_roles(self) -> dict[str, int]:
