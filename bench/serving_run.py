@@ -20,7 +20,7 @@ from bench.serving_stats import (
     schedule,
     summarize,
 )
-from bench.serving_systems import PIPELINES, TRANSPORTS
+from bench.serving_systems import PIPELINES, http_series
 
 # Assumed costs (s) for the estimate and the budget, replaced by measured ones as the run goes.
 STARTUP_S = {
@@ -47,8 +47,11 @@ class Run:
         self.a, self.device, self.configs = a, device, configs
         self.t0 = t0  # perf_counter at the start of the process
         self.startup = dict(STARTUP_S[device])
+        # (label, serve mode, stream_interval) of each HTTP series
+        self.http = http_series(a.serve_modes, a.stream_intervals) if "http" in a.transports else []
+        transports = (["python"] if "python" in a.transports else []) + [h[0] for h in self.http]
         self.series = [("engine", "python")] if "engine" in a.systems else []
-        self.series += [(s, t) for s in PIPELINES if s in a.systems for t in TRANSPORTS if t in a.transports]
+        self.series += [(s, t) for s in PIPELINES if s in a.systems for t in transports]
         self.grid = [(c, length) for length in a.prompt_lens for c in a.concurrency]
         self.cells_left = len(self.series) * len(self.grid)
         self.warmups_left = len(self.series)
@@ -64,9 +67,7 @@ class Run:
 
     def startups_left_s(self) -> float:
         pipes = [s for s in PIPELINES if s in self.a.systems and s not in self.done]
-        total = len(pipes) * self.startup["launch"]
-        if "http" in self.a.transports:
-            total += len(pipes) * self.startup["deploy"]
+        total = len(pipes) * (self.startup["launch"] + len(self.http) * self.startup["deploy"])
         if "engine" in self.a.systems and "engine" not in self.done:
             total += self.startup["engine"]
         if pipes and "ray" not in self.done:  # ray.init and serve.start

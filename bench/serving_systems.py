@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
+import logging
 import statistics
 import threading
 import time
@@ -33,6 +34,27 @@ PIPELINES = ("colocated", "pd-read", "pd-write")
 SYSTEMS = ("engine", *PIPELINES)
 TRANSPORTS = ("python", "http")
 APP_NAME = "serving-bench"
+
+
+def http_series(modes: list[str], intervals: list[int]) -> list[tuple[str, str, int | None]]:
+    """(label, serve mode, stream_interval or None for the config's) of each HTTP series: ``http``
+    through Serve's default proxy, ``http-fast`` through HAProxy (see moriio_ray/serve/serve_mode.py),
+    with ``-i<n>`` when several intervals are compared."""
+    choices: list[int | None] = [*intervals] or [None]
+    out = []
+    for mode in modes:
+        base = "http" if mode == "default" else f"http-{mode}"
+        out += [(base if len(choices) < 2 else f"{base}-i{n}", mode, n) for n in choices]
+    return out
+
+
+def with_stream_interval(args: dict[str, Any], interval: int | None) -> dict[str, Any]:
+    """``args`` with ``serve.stream_interval`` set (unchanged for None)."""
+    if interval is None:
+        return args
+    out = copy.deepcopy(args)
+    out.setdefault("serve", {})["stream_interval"] = interval
+    return out
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -307,52 +329,64 @@ def wait_healthy(base_url: str, timeout_s: float) -> None:
 
 
 class InprocServe:
-    """Ray Serve in the benchmark's own Ray cluster, running the app ``serve run`` would build.
+    """Ray Serve in the benchmark's own Ray cluster, running the app ``serve run`` would build over
+    ``args``; ready (``/health`` answers 200) when the constructor returns.
 
     The ingress attaches to the pipeline of the same config that the Python-API cells launched, so
-    HTTP costs no second pipeline start-up.
+    HTTP costs no second pipeline start-up. ``mode`` is Serve's (``default`` or ``fast``): it is set
+    where the controller starts, so each front end is one ``serve.start`` ... ``serve.shutdown``.
     """
 
     kind = "inproc"
 
-    def __init__(self, port: int, start_timeout_s: float) -> None:
+    def __init__(
+        self, args: dict[str, Any], mode: str, work_dir: Path, *, start_timeout_s: float, quiet: bool
+    ) -> None:
         from ray import serve
 
-        self.port = port
-        self.start_timeout_s = start_timeout_s
+        from moriio_ray.serve import build_app
+        from moriio_ray.serve.process import free_port
+        from moriio_ray.serve.serve_mode import controller_env, isolated, with_mode
+
+        self.port = free_port()
+        # beside any other HAProxy on this host: free ports, files in the run's temp dir
+        env = controller_env(isolated(with_mode({}, mode), free_port, str(work_dir / f"h{self.port}")))
         t0 = time.perf_counter()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        call_with_timeout(
+            lambda: serve.start(
+                http_options={"host": "127.0.0.1", "port": self.port},
+                controller_options={"runtime_env": {"env_vars": env}} if env else None,
+            ),
+            start_timeout_s,
+            "serve.start",
+        )
+        if quiet:  # after serve.start, which sets up this logger: one line per cell
+            logging.getLogger("ray.serve").setLevel(logging.WARNING)
+        try:
+            call_with_timeout(
+                lambda: serve.run(build_app(args), name=APP_NAME, route_prefix="/"),
+                start_timeout_s,
+                "serve.run",
+            )
+            wait_healthy(self.base_url, start_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
         self.start_s = time.perf_counter() - t0
 
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def deploy(self, args: dict[str, Any]) -> float:
-        """Run the app over ``args`` and wait for /health; the seconds it took."""
+    def stop(self) -> None:
+        """Delete the app (its ingress stays off the pipeline, which the Python API launched), then
+        shut Serve down, so that the next front end may start in another mode."""
         from ray import serve
 
-        from moriio_ray.serve import build_app
-
-        t0 = time.perf_counter()
-        call_with_timeout(
-            lambda: serve.run(build_app(args), name=APP_NAME, route_prefix="/"),
-            self.start_timeout_s,
-            "serve.run",
-        )
-        wait_healthy(self.base_url, self.start_timeout_s)
-        return time.perf_counter() - t0
-
-    def undeploy(self) -> None:
-        from ray import serve
-
-        call_with_timeout(lambda: serve.delete(APP_NAME), 120.0, "serve.delete")
-
-    @staticmethod
-    def shutdown() -> None:
-        from ray import serve
-
-        call_with_timeout(serve.shutdown, 120.0, "serve.shutdown")
+        try:
+            call_with_timeout(lambda: serve.delete(APP_NAME), 120.0, "serve.delete")
+        finally:
+            call_with_timeout(serve.shutdown, 120.0, "serve.shutdown")
 
 
 class ProcessServe:
@@ -360,12 +394,16 @@ class ProcessServe:
 
     kind = "process"
 
-    def __init__(self, base_doc: dict[str, Any], args: dict[str, Any], work_dir: Path) -> None:
+    def __init__(
+        self, base_doc: dict[str, Any], args: dict[str, Any], work_dir: Path, mode: str | None = None
+    ) -> None:
         from moriio_ray.serve.process import ServeProcess
+        from moriio_ray.serve.serve_mode import mode_of, with_mode
 
-        doc = copy.deepcopy(base_doc)
+        mode = mode or mode_of(base_doc)  # None: the config file's own
+        doc = with_mode(base_doc, mode)
         doc["applications"][0]["args"] = args
-        path = work_dir / f"{args['name']}.yaml"
+        path = work_dir / f"{args['name']}-{mode}.yaml"
         path.write_text(yaml.safe_dump(doc, sort_keys=False))
         self.server = ServeProcess(path)
         t0 = time.perf_counter()
