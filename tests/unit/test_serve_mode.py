@@ -27,6 +27,7 @@ def test_controller_options_per_mode() -> None:
         "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
         "RAY_SERVE_ENABLE_HA_PROXY": "1",
         "RAY_SERVE_LOG_TO_STDERR": "1",
+        "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "5",
     }
     assert controller_options("default", {"X": "1"}) == {"runtime_env": {"env_vars": {"X": "1"}}}
     with pytest.raises(ValueError, match="'turbo' is not one of default, fast"):
