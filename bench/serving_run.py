@@ -20,7 +20,7 @@ from bench.serving_stats import (
     schedule,
     summarize,
 )
-from bench.serving_systems import PIPELINES, http_series
+from bench.serving_systems import PIPELINES
 
 # Assumed costs (s) for the estimate and the budget, replaced by measured ones as the run goes.
 STARTUP_S = {
@@ -32,6 +32,18 @@ SPEED = {"cuda": (2.3e-3, 1.6e-5, 230e3), "cpu": (0.5e-3, 6.5e-5, 85e3)}
 
 # cell(prompts, concurrency, time box in s or None) -> (records, extra fields of the cell)
 CellFn = Callable[[list[list[int]], int, "float | None"], Awaitable[tuple[list[Record], dict[str, Any]]]]
+
+
+def http_series(modes: list[str], intervals: list[int]) -> list[tuple[str, str, int | None]]:
+    """(label, serve mode, stream_interval or None for the config's) of each HTTP series: ``http``
+    through Serve's default proxy, ``http-fast`` through HAProxy (see moriio_ray/serve/serve_mode.py),
+    with ``-i<n>`` when several intervals are compared."""
+    choices: list[int | None] = [*intervals] or [None]
+    out = []
+    for mode in modes:
+        base = "http" if mode == "default" else f"http-{mode}"
+        out += [(base if len(choices) < 2 else f"{base}-i{n}", mode, n) for n in choices]
+    return out
 
 
 def series_name(system: str, transport: str) -> str:

@@ -20,6 +20,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -34,18 +35,6 @@ PIPELINES = ("colocated", "pd-read", "pd-write")
 SYSTEMS = ("engine", *PIPELINES)
 TRANSPORTS = ("python", "http")
 APP_NAME = "serving-bench"
-
-
-def http_series(modes: list[str], intervals: list[int]) -> list[tuple[str, str, int | None]]:
-    """(label, serve mode, stream_interval or None for the config's) of each HTTP series: ``http``
-    through Serve's default proxy, ``http-fast`` through HAProxy (see moriio_ray/serve/serve_mode.py),
-    with ``-i<n>`` when several intervals are compared."""
-    choices: list[int | None] = [*intervals] or [None]
-    out = []
-    for mode in modes:
-        base = "http" if mode == "default" else f"http-{mode}"
-        out += [(base if len(choices) < 2 else f"{base}-i{n}", mode, n) for n in choices]
-    return out
 
 
 def with_stream_interval(args: dict[str, Any], interval: int | None) -> dict[str, Any]:
@@ -330,12 +319,9 @@ def wait_healthy(base_url: str, timeout_s: float) -> None:
 
 class InprocServe:
     """Ray Serve in the benchmark's own Ray cluster, running the app ``serve run`` would build over
-    ``args``; ready (``/health`` answers 200) when the constructor returns.
-
-    The ingress attaches to the pipeline of the same config that the Python-API cells launched, so
-    HTTP costs no second pipeline start-up. ``mode`` is Serve's (``default`` or ``fast``): it is set
-    where the controller starts, so each front end is one ``serve.start`` ... ``serve.shutdown``.
-    """
+    ``args``, ready when the constructor returns; its ingress attaches to the pipeline that the
+    Python-API cells launched. ``mode`` (default, fast) is set where Serve's controller starts, so
+    each front end is one ``serve.start`` ... ``serve.shutdown``."""
 
     kind = "inproc"
 
@@ -346,28 +332,20 @@ class InprocServe:
 
         from moriio_ray.serve import build_app
         from moriio_ray.serve.process import free_port
-        from moriio_ray.serve.serve_mode import controller_env, isolated, with_mode
+        from moriio_ray.serve.serve_mode import isolated, with_mode
 
         self.port = free_port()
         # beside any other HAProxy on this host: free ports, files in the run's temp dir
-        env = controller_env(isolated(with_mode({}, mode), free_port, str(work_dir / f"h{self.port}")))
+        doc = isolated(with_mode({}, mode), free_port, str(work_dir / f"h{self.port}"))
+        http = {"host": "127.0.0.1", "port": self.port}
         t0 = time.perf_counter()
-        call_with_timeout(
-            lambda: serve.start(
-                http_options={"host": "127.0.0.1", "port": self.port},
-                controller_options={"runtime_env": {"env_vars": env}} if env else None,
-            ),
-            start_timeout_s,
-            "serve.start",
-        )
+        start = partial(serve.start, http_options=http, controller_options=doc.get("controller_options"))
+        call_with_timeout(start, start_timeout_s, "serve.start")
         if quiet:  # after serve.start, which sets up this logger: one line per cell
             logging.getLogger("ray.serve").setLevel(logging.WARNING)
         try:
-            call_with_timeout(
-                lambda: serve.run(build_app(args), name=APP_NAME, route_prefix="/"),
-                start_timeout_s,
-                "serve.run",
-            )
+            run = partial(serve.run, build_app(args), name=APP_NAME, route_prefix="/")
+            call_with_timeout(run, start_timeout_s, "serve.run")
             wait_healthy(self.base_url, start_timeout_s)
         except BaseException:
             self.stop()
@@ -379,8 +357,7 @@ class InprocServe:
         return f"http://127.0.0.1:{self.port}"
 
     def stop(self) -> None:
-        """Delete the app (its ingress stays off the pipeline, which the Python API launched), then
-        shut Serve down, so that the next front end may start in another mode."""
+        """Delete the app (not the pipeline, which the Python API launched), then stop Serve."""
         from ray import serve
 
         try:

@@ -20,6 +20,7 @@ from bench.serving_http import (
     tokens_in_event,
 )
 from bench.serving_report import goals, markdown
+from bench.serving_run import http_series
 from bench.serving_stats import (
     Record,
     cell_budget_s,
@@ -31,7 +32,7 @@ from bench.serving_stats import (
     schedule,
     summarize,
 )
-from bench.serving_systems import PIPELINES, http_series, pipeline_args, with_stream_interval
+from bench.serving_systems import PIPELINES, pipeline_args, with_stream_interval
 from moriio_ray import parse_pipeline_config
 
 # -- percentiles, schedule, summaries ---------------------------------------------------------------
