@@ -102,9 +102,12 @@ class Deadline:
             raise unavailable("the pipeline ended the stream without finishing the request") from None
 
 
-async def next_batch(events: AsyncIterator[Any], deadline: Deadline, interval: int) -> Merged:
-    """The next events merged: at least ``interval`` tokens, or up to the request's end."""
-    pending = [await deadline.next(events)]
+async def next_batch(
+    events: AsyncIterator[Any], deadline: Deadline, interval: int, pending: list[Any]
+) -> Merged:
+    """The next events merged: at least ``interval`` tokens, or up to the request's end. They gather
+    in ``pending`` (the caller's), so that a failure midway can still send what had arrived."""
+    pending.append(await deadline.next(events))
     count = len(pending[0].token_ids)
     while count < interval and not pending[-1].finished:
         pending.append(await deadline.next(events))
@@ -133,20 +136,26 @@ async def sse_frames(
 ) -> AsyncIterator[bytes]:
     """The SSE frames of a streamed request, ending ``data: [DONE]``.
 
-    The status is already sent when this runs: a failure becomes an error event, then the end.
+    The status is already sent when this runs: a failure becomes an error event, then the end. The
+    tokens gathered before it go out first, as one event each would have without coalescing.
     """
+    pending: list[Any] = []
     try:
         if isinstance(fmt, ChatFormat):
             yield fmt.role_chunk()
         batch = merge([first])
         while True:
             yield fmt.chunk(batch.text, batch.token_ids, batch.logprobs, batch.finish_reason)
+            pending = []
             if batch.finished:
                 break
-            batch = await next_batch(events, deadline, interval)
+            batch = await next_batch(events, deadline, interval, pending)
         if include_usage:
             yield fmt.usage_chunk(usage(batch.num_prompt_tokens, batch.num_output_tokens))
     except Exception as exc:
+        if pending:
+            part = merge(pending)
+            yield fmt.chunk(part.text, part.token_ids, part.logprobs, None)
         err = from_exception(exc, validating=False, request_id=fmt.id)
         log.warning("stream %s failed: %s", fmt.id, err)
         yield sse(ErrorBody(error=err.info))

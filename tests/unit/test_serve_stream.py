@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from moriio_ray.engine.tokenizer import ByteTokenizer
+from moriio_ray.errors import PeerLost
 from moriio_ray.runtime.detok import IncrementalText
 from moriio_ray.runtime.results import StreamEvent
 from moriio_ray.serve.handler import JSONReply, OpenAIServer, StreamReply
@@ -34,6 +35,7 @@ class SplitPipeline:
     groups: list[int]
     tokenizer: ByteTokenizer = field(default_factory=ByteTokenizer)
     gate: asyncio.Event | None = None
+    fail_at: int | None = None  # raise PeerLost instead of the event of this index
     sent: int = 0
     closed: list[str] = field(default_factory=list)
 
@@ -51,6 +53,8 @@ class SplitPipeline:
             for size in self.groups:
                 if self.sent and self.gate is not None:
                     await self.gate.wait()
+                if self.sent == self.fail_at:
+                    raise PeerLost("the decode worker died")
                 ids, start = out[start : start + size], start + size
                 final = start >= len(out)
                 delta = text.add(ids, final=final)
@@ -214,6 +218,19 @@ def test_the_first_token_goes_at_once_and_a_close_while_coalescing_cancels() -> 
 
     asyncio.run(go())
     assert len(pipe.closed) == 1 and server.admission.in_flight == 0
+
+
+@pytest.mark.timeout(10)
+def test_a_failure_while_coalescing_first_sends_what_had_arrived() -> None:
+    async def stream(interval: int) -> list[Any]:
+        pipe = SplitPipeline([1] * len(OUTPUT), fail_at=11)
+        return await _call(_server(pipe, interval), "/v1/completions", {"prompt": "ab", "stream": True})
+
+    for interval in (4, 1000):
+        got, want = asyncio.run(stream(interval)), asyncio.run(stream(1))
+        assert "the decode worker died" in got[-1]["error"]["message"]
+        text = ["".join(e["choices"][0]["text"] for e in events[:-1]) for events in (got, want)]
+        assert text[0] == text[1] == OUTPUT[:11].decode(), interval  # no token lost to the gathering
 
 
 @pytest.mark.timeout(10)
