@@ -4,8 +4,10 @@ Systems, side by side on the same request stream: the bare engine (``Engine`` in
 CUDA graphs on), the colocated pipeline, and the PD pipeline (P and D sharing the device: half a
 GPU each over cuda_ipc, or shm on the CPU) in READ and in WRITE mode. Each pipeline is measured
 through the Python API (``PDPipeline.stream``) and through HTTP (the OpenAI front end,
-``/v1/completions`` with ``stream: true``, read by the lean client of bench/serving_client.py,
-spread over --client-procs processes whose CPU time is recorded).
+``/v1/completions`` with ``stream: true`` and usage, read by the lean client of
+bench/serving_client.py, spread over --client-procs processes whose CPU time is recorded), once
+per Serve mode (--serve-modes): ``http`` through Serve's proxy actor, ``http-fast`` through
+HAProxy and the replicas' direct ingress (moriio_ray/serve/serve_mode.py).
 
 A cell is one concurrency c and one prompt length: a closed loop keeps c requests in flight (a new
 one starts when one ends) until the cell's requests are done. Every request has a prompt of exactly
@@ -18,8 +20,8 @@ engine's decode-only tok/s at batch --decode-batch is the denominator of the iss
 The run keeps to --budget-s: a cell stops starting requests once its share of the time left is
 spent (the requests in flight finish), so a slow system yields fewer requests, not a late run.
 
-    python bench/serving_bench.py                 # GPU (llama-1b): the full grid within 420 s
-    python bench/serving_bench.py --concurrency 1,8 --prompt-lens 128 --output-tokens 16   # CPU check
+    python bench/serving_bench.py                 # GPU (llama-1b): the full grid within --budget-s
+    python bench/serving_bench.py                 # CPU (tiny): engine, colocated, pd-read; c=1,32
 
 Writes bench/results/serving_<tag>.json (every request's numbers), .png and .md (the tables).
 """
@@ -45,6 +47,7 @@ from bench.serving_run import Run
 from bench.serving_series import all_pipelines, engine_series, probe_serve_process
 from bench.serving_stats import RAW_COLUMNS, describe
 from bench.serving_systems import PIPELINES, SYSTEMS, TRANSPORTS, pipeline_args, serve_args_of
+from moriio_ray.serve.serve_mode import SERVE_MODES
 
 ROOT = Path(__file__).resolve().parents[1]
 T_START_S = time.perf_counter()  # the budget counts from here: torch, Ray and every start-up included
@@ -54,14 +57,27 @@ def csv(kind: type) -> Any:
     return lambda text: [kind(x) for x in text.split(",") if x]
 
 
-def parse_args() -> argparse.Namespace:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--config", type=Path, help="Serve config every system derives from (default by device)")
-    p.add_argument("--systems", type=csv(str), default=list(SYSTEMS), help=",".join(SYSTEMS))
+    p.add_argument("--systems", type=csv(str), help=f"{','.join(SYSTEMS)} (CPU default: all but pd-write)")
     p.add_argument("--transports", type=csv(str), default=list(TRANSPORTS), help=",".join(TRANSPORTS))
-    p.add_argument("--concurrency", type=csv(int), default=[1, 8, 32, 64, 128])
-    p.add_argument("--prompt-lens", type=csv(int), default=[128, 1024])
+    p.add_argument(
+        "--serve-modes",
+        type=csv(str),
+        default=list(SERVE_MODES),
+        help="HTTP through Serve's "
+        "proxy (default) and through HAProxy direct ingress (fast): one series each",
+    )
+    p.add_argument(
+        "--stream-intervals",
+        type=csv(int),
+        default=[],
+        help="serve.stream_interval of the HTTP series (several: one series each; default the config's)",
+    )
+    p.add_argument("--concurrency", type=csv(int), help="default 1,8,32,64,128 (CPU: 1,32)")
+    p.add_argument("--prompt-lens", type=csv(int), help="default 128,1024 (CPU: 128)")
     p.add_argument("--output-tokens", type=int, default=64)
     p.add_argument("--requests-factor", type=int, default=4, help="requests per cell: factor * c ...")
     p.add_argument("--min-requests", type=int, default=16, help="... and at least this many")
@@ -86,16 +102,25 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--ray-logs", action="store_true", help="show the workers' logs on stdout")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     p.add_argument("--rewrite", type=Path, help="only redo the goals, tables and plot of this JSON")
-    a = p.parse_args()
-    for name, allowed in (("systems", SYSTEMS), ("transports", TRANSPORTS)):
+    return p
+
+
+def check_args(a: argparse.Namespace, device: str) -> None:
+    """Fill the defaults that depend on the device (the CPU check is the small grid), then check."""
+    p, cpu = parser(), device == "cpu"
+    a.systems = a.systems or [s for s in SYSTEMS if not (cpu and s == "pd-write")]
+    a.concurrency = a.concurrency or ([1, 32] if cpu else [1, 8, 32, 64, 128])
+    a.prompt_lens = a.prompt_lens or ([128] if cpu else [128, 1024])
+    for name, allowed in (("systems", SYSTEMS), ("transports", TRANSPORTS), ("serve_modes", SERVE_MODES)):
         bad = [x for x in getattr(a, name) if x not in allowed]
         if bad or not getattr(a, name):
-            p.error(f"--{name}: {(bad or [''])[0]!r} is not one of {', '.join(allowed)}")
-    if not a.concurrency or not a.prompt_lens or min(a.concurrency + a.prompt_lens) < 1:
-        p.error("--concurrency and --prompt-lens: give positive integers, comma-separated")
+            p.error(f"--{name.replace('_', '-')}: {(bad or [''])[0]!r} is not one of {', '.join(allowed)}")
+    if min(a.concurrency + a.prompt_lens + a.stream_intervals, default=1) < 1:
+        p.error(
+            "--concurrency, --prompt-lens and --stream-intervals: give positive integers, comma-separated"
+        )
     if a.output_tokens < 2:
         p.error("--output-tokens: must be >= 2 (TPOT needs two tokens)")
-    return a
 
 
 def git_commit() -> str:
@@ -108,14 +133,24 @@ def git_commit() -> str:
     return out.stdout.strip() or "unknown"
 
 
+def cpu_model() -> str:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        return next(ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
 def environment(device: str) -> dict[str, Any]:
     import msgspec
     import ray
     import torch
 
-    name = torch.cuda.get_device_name() if device == "cuda" else platform.processor() or platform.machine()
+    name = torch.cuda.get_device_name() if device == "cuda" else cpu_model()
     return {
+        "host": platform.node(),
         "machine": platform.machine(),
+        "cpu": cpu_model(),
         "python": platform.python_version(),
         "cpu_count": os.cpu_count(),
         "torch": torch.__version__,
@@ -127,7 +162,7 @@ def environment(device: str) -> dict[str, Any]:
 
 
 def main() -> None:
-    a = parse_args()
+    a = parser().parse_args()
     if a.rewrite:
         report = json.loads(a.rewrite.read_text())
         report["goals"] = serving_report.goals(report)
@@ -138,6 +173,7 @@ def main() -> None:
     import yaml
 
     device = "cuda" if a.device == "cuda" or (a.device == "auto" and torch.cuda.is_available()) else "cpu"
+    check_args(a, device)
     tag = a.tag or ("gpu" if device == "cuda" else "cpu")
     default = "llama1b_1p1d_cuda.yaml" if device == "cuda" else "tiny_1p1d_cpu.yaml"
     config_path = a.config or ROOT / "configs" / default
@@ -179,6 +215,7 @@ def main() -> None:
             "requests_factor": a.requests_factor,
             "min_requests": a.min_requests,
         },
+        http_series=[{"label": h[0], "serve_mode": h[1], "stream_interval": h[2]} for h in run.http],
         http_server=serving_report.HTTP_SERVER[a.http_server],
         notes=serving_report.NOTES,
         systems={

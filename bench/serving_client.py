@@ -85,7 +85,10 @@ async def _child(plan: Plan) -> ChildResult:
     parts = urlsplit(plan.url)
     host, port = parts.hostname or "127.0.0.1", parts.port or 80
     encoder = msgspec.json.Encoder()
-    items = [(i, encoder.encode(b)) for i, b in zip(plan.indices, plan.bodies, strict=True)]
+    items = [
+        (i, encoder.encode(b), bool((b.get("stream_options") or {}).get("include_usage")))
+        for i, b in zip(plan.indices, plan.bodies, strict=True)
+    ]
     conns = [Connection(host, port) for _ in range(plan.concurrency)]
     await asyncio.gather(*(c.open() for c in conns))  # connected before the clock starts
     print("ready", flush=True)
@@ -93,10 +96,10 @@ async def _child(plan: Plan) -> ChildResult:
     cpu0, t0 = time.process_time(), time.perf_counter()
     soft = None if plan.soft_deadline_s is None else t0 + plan.soft_deadline_s
 
-    async def one(slot: int, item: tuple[int, bytes]) -> Record:
-        return await stream_completion(conns[slot], parts.path, item[0], item[1])
+    async def one(slot: int, item: tuple[int, bytes, bool]) -> Record:
+        return await stream_completion(conns[slot], parts.path, item[0], item[1], check_usage=item[2])
 
-    def timed_out(slot: int, item: tuple[int, bytes]) -> Record:
+    def timed_out(slot: int, item: tuple[int, bytes, bool]) -> Record:
         conns[slot].close()  # a half-read response poisons the connection
         now = time.perf_counter()
         return Record(index=item[0], sent_s=now, done_s=now, error=f"no answer within {plan.timeout_s} s")

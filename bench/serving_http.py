@@ -115,9 +115,14 @@ class _Error(msgspec.Struct):
     message: str = ""
 
 
+class _Usage(msgspec.Struct):
+    completion_tokens: int = 0
+
+
 class _Chunk(msgspec.Struct):
     choices: list[_Choice] = []
     error: _Error | None = None
+    usage: _Usage | None = None
 
 
 _chunk_decoder = msgspec.json.Decoder(_Chunk)
@@ -128,17 +133,23 @@ def tokens_in_event(data: bytes) -> int:
 
     -1 for the closing ``[DONE]``; a ProtocolError carrying the server's message for an error event.
     """
+    return read_event(data)[0]
+
+
+def read_event(data: bytes) -> tuple[int, int | None]:
+    """(tokens, the usage's completion_tokens or None) of one stream event; see ``tokens_in_event``."""
     if data == b"[DONE]":
-        return -1
+        return -1, None
     try:
         chunk = _chunk_decoder.decode(data)
     except msgspec.DecodeError as exc:
         raise ProtocolError(f"an event is not a completion chunk: {exc}") from None
     if chunk.error is not None:
         raise ProtocolError(f"error event: {chunk.error.message}")
+    used = None if chunk.usage is None else chunk.usage.completion_tokens
     if not chunk.choices or chunk.choices[0].logprobs is None:
-        return 0
-    return len(chunk.choices[0].logprobs.tokens)
+        return 0, used
+    return len(chunk.choices[0].logprobs.tokens), used
 
 
 class Connection:
@@ -211,8 +222,13 @@ class Connection:
             self.writer = None
 
 
-async def stream_completion(conn: Connection, path: str, index: int, body: bytes) -> Record:
-    """Send one streaming completion and time its tokens (one clock reading per socket read)."""
+async def stream_completion(
+    conn: Connection, path: str, index: int, body: bytes, *, check_usage: bool = False
+) -> Record:
+    """Send one streaming completion and time its tokens (one clock reading per socket read).
+
+    ``check_usage`` (the body asks for ``stream_options.include_usage``): a stream without a usage
+    event, or whose usage counts other tokens than its events carried, is an error."""
     rec = Record(index=index, sent_s=time.perf_counter())
     try:
         status, pieces = await conn.stream(path, body)
@@ -222,12 +238,16 @@ async def stream_completion(conn: Connection, path: str, index: int, body: bytes
             rec.error = text.decode(errors="replace")[:300]
             return rec
         sse = SSEParser()
+        used: int | None = None
         async for piece in pieces:
             now = time.perf_counter()
             for event in sse.feed(piece):
-                num = tokens_in_event(event)
+                num, usage = read_event(event)
                 if num > 0:
                     rec.add_tokens(now, num)
+                used = usage if usage is not None else used
+        if check_usage and used != rec.num_tokens:
+            rec.error = f"usage says {used} completion tokens, the events carried {rec.num_tokens}"
     except (OSError, asyncio.IncompleteReadError, ProtocolError) as exc:
         rec.error = f"{type(exc).__name__}: {exc}"
         conn.close()

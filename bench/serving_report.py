@@ -56,6 +56,7 @@ def cell_line(cell: dict[str, Any]) -> str:
         f"TTFT p50 {_ms(ttft['p50'])} p99 {_ms(ttft['p99'])} ms{_x(ratio.get('ttft_s.p50'))}",
     ]
     if "client" in cell:
+        parts.append(f"{summary['tokens_per_chunk'] or 0:.1f} tokens/event")
         parts.append(
             f"client CPU max {cell['client']['max_utilization']:.0%} of {cell['client']['procs']} procs"
         )
@@ -79,8 +80,57 @@ def _pick(values: list[int], want: int, fallback: int) -> int:
     return want if want in values else fallback
 
 
+def http_goals(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """Issue 20's goals: each HTTP series against the same system's Python API, in one run."""
+    grid, cells = report["grid"], report.get("cells", [])
+    short = _pick(grid["prompt_lens"], GOAL_LEN, min(grid["prompt_lens"]))
+    high = [c for c in (64, 128) if c in grid["concurrency"]] or [max(grid["concurrency"])]
+    one, mid = min(grid["concurrency"]), _pick(grid["concurrency"], GOAL_C, max(grid["concurrency"]))
+    decode = (report.get("engine_decode_only") or {}).get("decode_tok_s")
+    out: list[dict[str, Any]] = []
+
+    def add(measure: str, goal: str, value: float | None, met: bool | None) -> None:
+        out.append({"issue": 20, "measure": measure, "goal": goal, "value": value, "met": met})
+
+    for name in dict.fromkeys(c["series"] for c in cells if "/http" in c["series"]):
+        base = name.split("/")[0] + "/python"
+        for c in high:
+            http, py = _find(report, name, c, short), _find(report, base, c, short)
+            ratio = http["output_tok_s"] / py["output_tok_s"] if http and py else None
+            add(f"{name} / {base} tok/s, c={c} prompt {short}", ">= 0.90", ratio, _at_least(ratio, 0.90))
+        if name.startswith("colocated/") and decode and GOAL_C in grid["concurrency"]:
+            http = _find(report, name, GOAL_C, short)
+            ratio = http["output_tok_s"] / decode if http else None
+            add(f"{name} c={GOAL_C} tok/s / engine decode-only", ">= 0.70", ratio, _at_least(ratio, 0.70))
+        http, py = _find(report, name, one, short), _find(report, base, one, short)
+        delta = http["ttft_s"]["p50"] - py["ttft_s"]["p50"] if http and py else None
+        add(f"{name} - {base} TTFT p50 (s), c={one}", "<= 0.002", delta, _at_most(delta, 0.002))
+        http, py = _find(report, name, mid, short), _find(report, base, mid, short)
+        ratio = http["ttft_s"]["p50"] / py["ttft_s"]["p50"] if http and py else None
+        add(f"{name} / {base} TTFT p50, c={mid}", "<= 1.2", ratio, _at_most(ratio, 1.2))
+    errors = sum(c["summary"].get("num_errors", 0) for c in cells if c.get("summary"))
+    failed = sum(1 for c in cells if c.get("error"))
+    add("requests that failed, or whose usage differed from the tokens received", "0", errors, errors == 0)
+    if failed:
+        add("cells that did not run", "0", failed, False)
+    return out
+
+
+def _at_least(value: float | None, floor: float) -> bool | None:
+    return None if value is None else value >= floor
+
+
+def _at_most(value: float | None, ceiling: float) -> bool | None:
+    return None if value is None else value <= ceiling
+
+
 def goals(report: dict[str, Any]) -> list[dict[str, Any]]:
-    """The issue's goals, as far as this run's cells allow (``met`` None: not decidable here)."""
+    """The issues' goals, as far as this run's cells allow (``met`` None: not decidable here)."""
+    return engine_goals(report) + http_goals(report)
+
+
+def engine_goals(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """Issue 10's goals: the pipelines against the bare engine."""
     grid = report["grid"]
     c = _pick(grid["concurrency"], GOAL_C, max(grid["concurrency"]))
     short = _pick(grid["prompt_lens"], GOAL_LEN, min(grid["prompt_lens"]))
@@ -90,7 +140,7 @@ def goals(report: dict[str, Any]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
 
     def add(measure: str, goal: str, value: float | None, met: bool | None) -> None:
-        out.append({"measure": measure, "goal": goal, "value": value, "met": met})
+        out.append({"issue": 10, "measure": measure, "goal": goal, "value": value, "met": met})
 
     for name in series if GOAL_C in grid["concurrency"] else []:  # the goal is set at c = 64
         cell = _find(report, name, c, short)
@@ -186,9 +236,11 @@ def markdown(report: dict[str, Any]) -> str:
 
 def goals_text(rows: list[dict[str, Any]]) -> str:
     """The goals as lines: measure, value, goal, and whether it is met."""
-    lines = ["Goals (issue 10):"]
+    lines = ["Goals:"]
     for row in rows:
         value = "-" if row["value"] is None else f"{row['value']:.4g}"
         verdict = {True: "met", False: "MISSED", None: "n/a"}[row["met"]]
-        lines.append(f"  {verdict:>6}  {row['measure']}: {value} (goal {row['goal']})")
+        lines.append(
+            f"  {verdict:>6}  issue {row.get('issue', 10)}: {row['measure']}: {value} (goal {row['goal']})"
+        )
     return "\n".join(lines) + "\n"

@@ -20,7 +20,7 @@ from bench.serving_stats import (
     schedule,
     summarize,
 )
-from bench.serving_systems import PIPELINES, TRANSPORTS
+from bench.serving_systems import PIPELINES
 
 # Assumed costs (s) for the estimate and the budget, replaced by measured ones as the run goes.
 STARTUP_S = {
@@ -32,6 +32,18 @@ SPEED = {"cuda": (2.3e-3, 1.6e-5, 230e3), "cpu": (0.5e-3, 6.5e-5, 85e3)}
 
 # cell(prompts, concurrency, time box in s or None) -> (records, extra fields of the cell)
 CellFn = Callable[[list[list[int]], int, "float | None"], Awaitable[tuple[list[Record], dict[str, Any]]]]
+
+
+def http_series(modes: list[str], intervals: list[int]) -> list[tuple[str, str, int | None]]:
+    """(label, serve mode, stream_interval or None for the config's) of each HTTP series: ``http``
+    through Serve's default proxy, ``http-fast`` through HAProxy (see moriio_ray/serve/serve_mode.py),
+    with ``-i<n>`` when several intervals are compared."""
+    choices: list[int | None] = [*intervals] or [None]
+    out = []
+    for mode in modes:
+        base = "http" if mode == "default" else f"http-{mode}"
+        out += [(base if len(choices) < 2 else f"{base}-i{n}", mode, n) for n in choices]
+    return out
 
 
 def series_name(system: str, transport: str) -> str:
@@ -47,8 +59,11 @@ class Run:
         self.a, self.device, self.configs = a, device, configs
         self.t0 = t0  # perf_counter at the start of the process
         self.startup = dict(STARTUP_S[device])
+        # (label, serve mode, stream_interval) of each HTTP series
+        self.http = http_series(a.serve_modes, a.stream_intervals) if "http" in a.transports else []
+        transports = (["python"] if "python" in a.transports else []) + [h[0] for h in self.http]
         self.series = [("engine", "python")] if "engine" in a.systems else []
-        self.series += [(s, t) for s in PIPELINES if s in a.systems for t in TRANSPORTS if t in a.transports]
+        self.series += [(s, t) for s in PIPELINES if s in a.systems for t in transports]
         self.grid = [(c, length) for length in a.prompt_lens for c in a.concurrency]
         self.cells_left = len(self.series) * len(self.grid)
         self.warmups_left = len(self.series)
@@ -64,9 +79,7 @@ class Run:
 
     def startups_left_s(self) -> float:
         pipes = [s for s in PIPELINES if s in self.a.systems and s not in self.done]
-        total = len(pipes) * self.startup["launch"]
-        if "http" in self.a.transports:
-            total += len(pipes) * self.startup["deploy"]
+        total = len(pipes) * (self.startup["launch"] + len(self.http) * self.startup["deploy"])
         if "engine" in self.a.systems and "engine" not in self.done:
             total += self.startup["engine"]
         if pipes and "ray" not in self.done:  # ray.init and serve.start

@@ -4,17 +4,24 @@ through ``run_series``, and its shut-down, also when something fails."""
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from bench.serving_client import run_http_cell
 from bench.serving_run import Run, run_series
 from bench.serving_stats import Record, describe
-from bench.serving_systems import PIPELINES, BareEngine, InprocServe, ProcessServe, PythonPipeline
+from bench.serving_systems import (
+    PIPELINES,
+    BareEngine,
+    InprocServe,
+    ProcessServe,
+    PythonPipeline,
+    with_stream_interval,
+)
 from moriio_ray import parse_pipeline_config
-from moriio_ray.serve.process import free_port
 
 Cell = tuple[list[Record], dict[str, Any]]
 
@@ -82,12 +89,13 @@ def python_series(run: Run, pipe: PythonPipeline, system: str) -> None:
     asyncio.run(run_series(run, system, "python", cell))  # one event loop for the whole series
 
 
-def http_series(run: Run, base_url: str, system: str) -> None:
+def http_series(run: Run, base_url: str, system: str, label: str) -> None:
     a = run.a
     url = base_url + "/v1/completions"
     fields = {
         "max_tokens": a.output_tokens,
         "stream": True,
+        "stream_options": {"include_usage": True},  # the client checks usage against the tokens
         "ignore_eos": True,
         "temperature": 0,
         "logprobs": 0,
@@ -101,22 +109,41 @@ def http_series(run: Run, base_url: str, system: str) -> None:
         stats = {"procs": client.num_procs, "cpu_s": client.cpu_s, "wall_s": client.wall_s}
         return records, {"client": {**stats, "max_utilization": client.max_utilization}}
 
-    asyncio.run(run_series(run, system, "http", cell))
+    asyncio.run(run_series(run, system, label, cell))
 
 
-def pipeline_series(run: Run, system: str, serve: InprocServe | None) -> None:
-    """One pipeline: launch it, its Python-API cells, its HTTP cells (in-cluster Serve), shut it down."""
+def served_http_series(run: Run, system: str, label: str, start: Callable[[], Any]) -> None:
+    """One HTTP series: ``start()`` brings a front end up (``base_url``, ``start_s``, ``stop``), the
+    cells run through it, and it is stopped, also when something fails."""
+    try:
+        server = start()
+    except Exception as exc:
+        run.fail_series(system, label, f"the front end did not start: {describe(exc)}")
+        return
+    try:
+        run.startup["deploy"] = run.report["startup_s"][f"{system}.{label}.{server.kind}"] = server.start_s
+        print(f"[{system}/{label}] {server.kind} front end up in {server.start_s:.1f} s", flush=True)
+        http_series(run, server.base_url, system, label)
+    except Exception as exc:
+        run.fail_series(system, label, f"HTTP series failed: {describe(exc)}")
+    finally:
+        _quietly(server.stop, f"stopping the front end of {system}/{label}")
+
+
+def pipeline_series(run: Run, system: str, work_dir: Path) -> None:
+    """One pipeline: launch it, its Python-API cells, its HTTP series (in-cluster Serve), shut it down."""
     a, args = run.a, run.configs[system]
+    transports = (["python"] if "python" in a.transports else []) + [h[0] for h in run.http]
     if not run.can_start("launch"):
         run.done.add(system)
-        for transport in a.transports:
+        for transport in transports:
             run.fail_series(system, transport, "skipped: no time left in the budget to launch it")
         return
     print(f"[{system}] launching ...", flush=True)
     try:
         pipe = PythonPipeline(args, a.start_timeout_s)
     except Exception as exc:
-        for transport in a.transports:
+        for transport in transports:
             run.fail_series(system, transport, f"launch failed: {describe(exc)}")
         return
     finally:
@@ -129,38 +156,24 @@ def pipeline_series(run: Run, system: str, serve: InprocServe | None) -> None:
                 python_series(run, pipe, system)
             except Exception as exc:
                 run.fail_series(system, "python", f"series failed: {describe(exc)}")
-        if serve is not None and not run.can_start("deploy"):
-            run.fail_series(system, "http", "skipped: no time left in the budget to deploy it")
-        elif serve is not None:
-            try:
-                deploy_s = serve.deploy(args)
-                run.startup["deploy"] = run.report["startup_s"][f"{system}.deploy"] = deploy_s
-                print(f"[{system}] HTTP front end up in {deploy_s:.1f} s", flush=True)
-                http_series(run, serve.base_url, system)
-            except Exception as exc:
-                run.fail_series(system, "http", f"HTTP series failed: {describe(exc)}")
-            finally:
-                _quietly(serve.undeploy, f"serve.delete of {system}")
+        quiet = not a.ray_logs
+        for label, mode, interval in run.http if a.http_server == "inproc" else []:
+            if not run.can_start("deploy"):
+                run.fail_series(system, label, "skipped: no time left in the budget to deploy it")
+                continue
+            args = with_stream_interval(run.configs[system], interval)
+            start = partial(InprocServe, args, mode, work_dir, start_timeout_s=a.start_timeout_s, quiet=quiet)
+            served_http_series(run, system, label, start)
     finally:
         _quietly(pipe.shutdown, f"shutdown of {system}")
 
 
 def process_series(run: Run, system: str, work_dir: Path, base_doc: dict[str, Any]) -> None:
-    """One pipeline's HTTP cells through the real ``serve run`` (its own Ray cluster)."""
-    print(f"[{system}] serve run (own Ray cluster) ...", flush=True)
-    try:
-        server = ProcessServe(base_doc, run.configs[system], work_dir)
-    except Exception as exc:
-        run.fail_series(system, "http", f"serve run failed: {describe(exc)}")
-        return
-    try:
-        run.report["startup_s"][f"{system}.serve_run"] = server.start_s
-        print(f"[{system}] serve run healthy in {server.start_s:.1f} s", flush=True)
-        http_series(run, server.base_url, system)
-    except Exception as exc:
-        run.fail_series(system, "http", f"HTTP series failed: {describe(exc)}")
-    finally:
-        _quietly(server.stop, f"serve run of {system}")
+    """One pipeline's HTTP series through the real ``serve run`` (its own Ray cluster), per mode."""
+    for label, mode, interval in run.http:
+        args = with_stream_interval(run.configs[system], interval)
+        print(f"[{system}/{label}] serve run ({mode}, own Ray cluster) ...", flush=True)
+        served_http_series(run, system, label, partial(ProcessServe, base_doc, args, work_dir, mode))
 
 
 def all_pipelines(run: Run, work_dir: Path, base_doc: dict[str, Any]) -> None:
@@ -171,23 +184,15 @@ def all_pipelines(run: Run, work_dir: Path, base_doc: dict[str, Any]) -> None:
     t0 = time.perf_counter()
     ray.init(namespace="moriio_ray", include_dashboard=False, log_to_driver=a.ray_logs)
     run.report["startup_s"]["ray_init"] = time.perf_counter() - t0
-    serve: InprocServe | None = None
     try:
-        if "http" in a.transports and a.http_server == "inproc":
-            serve = InprocServe(free_port(), a.start_timeout_s)
-            run.report["startup_s"]["serve_start"] = serve.start_s
-            if not a.ray_logs:  # after serve.start, which sets up this logger: one line per cell
-                logging.getLogger("ray.serve").setLevel(logging.WARNING)
         run.startup["ray"] = time.perf_counter() - t0
         run.done.add("ray")
         for system in (s for s in PIPELINES if s in a.systems):
-            if "python" in a.transports or serve is not None:  # else only `serve run` needs it
-                pipeline_series(run, system, serve)
-            if "http" in a.transports and a.http_server == "process":
+            if "python" in a.transports or a.http_server == "inproc":  # else only `serve run` needs it
+                pipeline_series(run, system, work_dir)
+            if run.http and a.http_server == "process":
                 process_series(run, system, work_dir, base_doc)
     finally:
-        if serve is not None:
-            _quietly(serve.shutdown, "serve.shutdown")
         ray.shutdown()
 
 

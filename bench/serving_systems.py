@@ -13,12 +13,14 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
+import logging
 import statistics
 import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -33,6 +35,15 @@ PIPELINES = ("colocated", "pd-read", "pd-write")
 SYSTEMS = ("engine", *PIPELINES)
 TRANSPORTS = ("python", "http")
 APP_NAME = "serving-bench"
+
+
+def with_stream_interval(args: dict[str, Any], interval: int | None) -> dict[str, Any]:
+    """``args`` with ``serve.stream_interval`` set (unchanged for None)."""
+    if interval is None:
+        return args
+    out = copy.deepcopy(args)
+    out.setdefault("serve", {})["stream_interval"] = interval
+    return out
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -307,52 +318,52 @@ def wait_healthy(base_url: str, timeout_s: float) -> None:
 
 
 class InprocServe:
-    """Ray Serve in the benchmark's own Ray cluster, running the app ``serve run`` would build.
-
-    The ingress attaches to the pipeline of the same config that the Python-API cells launched, so
-    HTTP costs no second pipeline start-up.
-    """
+    """Ray Serve in the benchmark's own Ray cluster, running the app ``serve run`` would build over
+    ``args``, ready when the constructor returns; its ingress attaches to the pipeline that the
+    Python-API cells launched. ``mode`` (default, fast) is set where Serve's controller starts, so
+    each front end is one ``serve.start`` ... ``serve.shutdown``."""
 
     kind = "inproc"
 
-    def __init__(self, port: int, start_timeout_s: float) -> None:
+    def __init__(
+        self, args: dict[str, Any], mode: str, work_dir: Path, *, start_timeout_s: float, quiet: bool
+    ) -> None:
         from ray import serve
 
-        self.port = port
-        self.start_timeout_s = start_timeout_s
+        from moriio_ray.serve import build_app
+        from moriio_ray.serve.process import free_port
+        from moriio_ray.serve.serve_mode import isolated, with_mode
+
+        self.port = free_port()
+        # beside any other HAProxy on this host: free ports, files in the run's temp dir
+        doc = isolated(with_mode({}, mode), free_port, str(work_dir / f"h{self.port}"))
+        http = {"host": "127.0.0.1", "port": self.port}
         t0 = time.perf_counter()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        start = partial(serve.start, http_options=http, controller_options=doc.get("controller_options"))
+        call_with_timeout(start, start_timeout_s, "serve.start")
+        if quiet:  # after serve.start, which sets up this logger: one line per cell
+            logging.getLogger("ray.serve").setLevel(logging.WARNING)
+        try:
+            run = partial(serve.run, build_app(args), name=APP_NAME, route_prefix="/")
+            call_with_timeout(run, start_timeout_s, "serve.run")
+            wait_healthy(self.base_url, start_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
         self.start_s = time.perf_counter() - t0
 
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def deploy(self, args: dict[str, Any]) -> float:
-        """Run the app over ``args`` and wait for /health; the seconds it took."""
+    def stop(self) -> None:
+        """Delete the app (not the pipeline, which the Python API launched), then stop Serve."""
         from ray import serve
 
-        from moriio_ray.serve import build_app
-
-        t0 = time.perf_counter()
-        call_with_timeout(
-            lambda: serve.run(build_app(args), name=APP_NAME, route_prefix="/"),
-            self.start_timeout_s,
-            "serve.run",
-        )
-        wait_healthy(self.base_url, self.start_timeout_s)
-        return time.perf_counter() - t0
-
-    def undeploy(self) -> None:
-        from ray import serve
-
-        call_with_timeout(lambda: serve.delete(APP_NAME), 120.0, "serve.delete")
-
-    @staticmethod
-    def shutdown() -> None:
-        from ray import serve
-
-        call_with_timeout(serve.shutdown, 120.0, "serve.shutdown")
+        try:
+            call_with_timeout(lambda: serve.delete(APP_NAME), 120.0, "serve.delete")
+        finally:
+            call_with_timeout(serve.shutdown, 120.0, "serve.shutdown")
 
 
 class ProcessServe:
@@ -360,12 +371,16 @@ class ProcessServe:
 
     kind = "process"
 
-    def __init__(self, base_doc: dict[str, Any], args: dict[str, Any], work_dir: Path) -> None:
+    def __init__(
+        self, base_doc: dict[str, Any], args: dict[str, Any], work_dir: Path, mode: str | None = None
+    ) -> None:
         from moriio_ray.serve.process import ServeProcess
+        from moriio_ray.serve.serve_mode import mode_of, with_mode
 
-        doc = copy.deepcopy(base_doc)
+        mode = mode or mode_of(base_doc)  # None: the config file's own
+        doc = with_mode(base_doc, mode)
         doc["applications"][0]["args"] = args
-        path = work_dir / f"{args['name']}.yaml"
+        path = work_dir / f"{args['name']}-{mode}.yaml"
         path.write_text(yaml.safe_dump(doc, sort_keys=False))
         self.server = ServeProcess(path)
         t0 = time.perf_counter()

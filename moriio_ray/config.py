@@ -223,12 +223,14 @@ class ServeConfig(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
     request_timeout_s: float = 300.0
     default_max_tokens: int = 64
     num_replicas: int = 1
+    stream_interval: int = 8  # tokens per SSE event (the first goes at once; 1: one per output)
 
     def __post_init__(self) -> None:
         _at_least(self, "max_ongoing_requests", 1)
         _positive(self, "request_timeout_s")
         _at_least(self, "default_max_tokens", 1)
         _at_least(self, "num_replicas", 1)
+        _at_least(self, "stream_interval", 1)
 
 
 class PipelineConfig(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]

@@ -45,7 +45,9 @@ def attach_or_launch(config: PipelineConfig) -> tuple[Any, bool]:
         pipe = PDPipeline.launch(config, detached=True)
         log.info("launched the pipeline %r", config.name)
         return pipe, True
-    if pipe.config != config:
+    # `serve` configures this ingress, not the pipeline: ingress apps with other serve settings
+    # (stream_interval, replicas, limits) may share one pool
+    if msgspec.structs.replace(pipe.config, serve=config.serve) != config:
         raise ConfigError(
             f"name: a pipeline named {config.name!r} already runs with another config; shut it down "
             "or give this application's args another name"
@@ -100,6 +102,7 @@ class OpenAIIngress:
             max_ongoing_requests=cfg.serve.max_ongoing_requests,
             request_timeout_s=cfg.serve.request_timeout_s,
             live_roles=self._live_roles,
+            stream_interval=cfg.serve.stream_interval,
         )
 
     async def _live_roles(self) -> dict[str, int]:

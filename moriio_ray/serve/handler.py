@@ -28,7 +28,6 @@ import msgspec
 from moriio_ray.serve.admission import Admission, Slot
 from moriio_ray.serve.errors import (
     APIError,
-    ErrorBody,
     bad_request,
     from_exception,
     internal_error,
@@ -37,7 +36,8 @@ from moriio_ray.serve.errors import (
 )
 from moriio_ray.serve.openai import ChatCompletionRequest, CompletionRequest, parse_request
 from moriio_ray.serve.prepare import Limits, Prepared, TokenizerLike, prepare_chat, prepare_completion
-from moriio_ray.serve.responses import SSE_DONE, ChatFormat, CompletionFormat, sse, usage
+from moriio_ray.serve.responses import ChatFormat, CompletionFormat
+from moriio_ray.serve.stream import Deadline, Format, sse_frames, whole_body
 
 log = logging.getLogger(__name__)
 
@@ -45,18 +45,6 @@ MAX_BODY_BYTES = 16 << 20  # a larger body is a 413; 16 MiB holds any prompt a s
 STREAM_START_TIMEOUT_S = 5.0  # a stream reply not started by then was dropped: cancel its request
 HEALTH_TIMEOUT_S = 5.0
 STATS_TIMEOUT_S = 15.0
-
-
-class EventLike(Protocol):
-    """What the pipeline streams (``moriio_ray.runtime.pipeline.StreamEvent``)."""
-
-    token_ids: list[int]
-    text: str
-    finished: bool
-    finish_reason: str | None
-    logprobs: list[float] | None
-    num_prompt_tokens: int
-    num_output_tokens: int
 
 
 class PipelineLike(Protocol):
@@ -95,7 +83,6 @@ class StreamReply:
 
 
 Reply = JSONReply | StreamReply
-Format = CompletionFormat | ChatFormat
 
 
 def error_reply(err: APIError) -> JSONReply:
@@ -113,11 +100,13 @@ class OpenAIServer:
         max_ongoing_requests: int,
         request_timeout_s: float,
         live_roles: Callable[[], Awaitable[dict[str, int]]],
+        stream_interval: int = 1,
     ) -> None:
         self.pipe = pipe
         self.limits = limits
         self.admission = Admission(max_ongoing_requests)
         self.request_timeout_s = request_timeout_s
+        self.stream_interval = stream_interval  # tokens per SSE event (serve.stream_interval)
         self.live_roles = live_roles
         self.started_unix = int(time.time())
         self._cleanups: set[asyncio.Future[None]] = set()  # closes of dropped streams, kept alive
@@ -182,7 +171,7 @@ class OpenAIServer:
         except Exception as exc:
             raise from_exception(exc, validating=True) from None
         slot = self.admission.acquire()
-        deadline = _Deadline(self.request_timeout_s)
+        deadline = Deadline(self.request_timeout_s)
         events = self.pipe.stream_request(gen_req)
         try:
             first = await deadline.next(events)
@@ -194,7 +183,7 @@ class OpenAIServer:
         if stream:
             return self._stream_reply(fmt, first, events, deadline, include_usage, slot)
         try:
-            return JSONReply(200, await self._whole(fmt, first, events, deadline))
+            return JSONReply(200, await whole_body(fmt, first, events, deadline))
         except Exception as exc:
             raise from_exception(exc, validating=False, request_id=fmt.id) from None
         finally:
@@ -205,7 +194,7 @@ class OpenAIServer:
         fmt: Format,
         first: Any,
         events: AsyncIterator[Any],
-        deadline: _Deadline,
+        deadline: Deadline,
         include_usage: bool,
         slot: Slot,
     ) -> StreamReply:
@@ -225,46 +214,25 @@ class OpenAIServer:
         frames = self._frames(fmt, first, events, deadline, include_usage, slot, timer.cancel)
         return StreamReply(frames=frames, close=close, begin=timer.cancel)
 
-    async def _whole(self, fmt: Format, event: Any, events: AsyncIterator[Any], deadline: _Deadline) -> bytes:
-        ids, texts, logprobs = [*event.token_ids], [event.text], [*(event.logprobs or [])]
-        while not event.finished:
-            event = await deadline.next(events)
-            ids.extend(event.token_ids)
-            texts.append(event.text)
-            logprobs.extend(event.logprobs or [])
-        use = usage(event.num_prompt_tokens, event.num_output_tokens)
-        lps = logprobs if len(logprobs) == len(ids) else None
-        return fmt.whole("".join(texts), ids, lps, event.finish_reason, use)
-
     async def _frames(
         self,
         fmt: Format,
-        event: Any,
+        first: Any,
         events: AsyncIterator[Any],
-        deadline: _Deadline,
+        deadline: Deadline,
         include_usage: bool,
         slot: Slot,
         begin: Callable[[], None],
     ) -> AsyncIterator[bytes]:
         begin()
+        frames = sse_frames(
+            fmt, first, events, deadline, interval=self.stream_interval, include_usage=include_usage
+        )
         try:
-            try:
-                if isinstance(fmt, ChatFormat):
-                    yield fmt.role_chunk()
-                while True:
-                    reason = event.finish_reason if event.finished else None
-                    yield fmt.chunk(event.text, event.token_ids, event.logprobs, reason)
-                    if event.finished:
-                        break
-                    event = await deadline.next(events)
-                if include_usage:
-                    yield fmt.usage_chunk(usage(event.num_prompt_tokens, event.num_output_tokens))
-            except Exception as exc:  # the status is already sent: report in the stream, then end it
-                err = from_exception(exc, validating=False, request_id=fmt.id)
-                log.warning("stream %s failed: %s", fmt.id, err)
-                yield sse(ErrorBody(error=err.info))
-            yield SSE_DONE
+            async for frame in frames:
+                yield frame
         finally:
+            await frames.aclose()  # type: ignore[attr-defined]
             await _close(events, slot)
 
     # -- the rest -------------------------------------------------------------------------------
@@ -298,23 +266,6 @@ class OpenAIServer:
             raise unavailable(f"the pipeline's stats are unavailable ({type(exc).__name__})") from None
         stats["ingress"] = self.admission.stats()
         return JSONReply(200, msgspec.json.encode(stats))
-
-
-class _Deadline:
-    """One request's overall deadline, applied to each await on its event stream."""
-
-    def __init__(self, timeout_s: float) -> None:
-        self.timeout_s = timeout_s
-        self.end_s = time.monotonic() + timeout_s
-
-    async def next(self, events: AsyncIterator[Any]) -> Any:
-        left_s = self.end_s - time.monotonic()
-        try:
-            return await asyncio.wait_for(events.__anext__(), max(left_s, 0.0))
-        except asyncio.TimeoutError:
-            raise unavailable(f"the request did not finish within {self.timeout_s} s") from None
-        except StopAsyncIteration:
-            raise unavailable("the pipeline ended the stream without finishing the request") from None
 
 
 async def _close(events: AsyncIterator[Any], slot: Slot, frames: AsyncIterator[bytes] | None = None) -> None:

@@ -25,6 +25,7 @@ from typing import IO, Any
 import yaml
 
 from moriio_ray.errors import DeadlineExceeded, MoriioRayError
+from moriio_ray.serve.serve_mode import isolated
 
 _POLL_S = 0.25
 
@@ -50,7 +51,8 @@ def free_port() -> int:
 
 
 class ServeProcess:
-    """One ``serve run`` child on a copy of ``config_path`` listening on ``http_port``."""
+    """One ``serve run`` child on a copy of ``config_path`` listening on ``http_port`` (in the fast
+    serve mode HAProxy gets free ports and keeps its files in the work dir: see ``serve_mode``)."""
 
     def __init__(self, config_path: str | Path, *, http_port: int | None = None) -> None:
         self.http_port = http_port or free_port()
@@ -59,6 +61,7 @@ class ServeProcess:
         self.config_path = self.work_dir / "serve.yaml"
         self.log_path = self.work_dir / "serve.log"
         doc = yaml.safe_load(Path(config_path).read_text())
+        doc = isolated(doc, free_port, str(self.work_dir / "h"))  # HAProxy's files, removed with it
         doc.setdefault("http_options", {})
         doc["http_options"].update({"host": "127.0.0.1", "port": self.http_port})
         self.config_path.write_text(yaml.safe_dump(doc, sort_keys=False))

@@ -39,6 +39,20 @@ def stop_if_running(proc: ServeProcess) -> None:
             pass
 
 
+def haproxy_pids(server: ServeProcess) -> list[int]:
+    """The HAProxy processes of this child's cluster: Serve's fast path (every config in configs/)
+    puts one in front of the ingress replicas."""
+    found = []
+    for pid in server.leftover_pids():
+        try:
+            argv0 = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0]
+        except OSError:
+            continue
+        if Path(argv0.decode(errors="replace")).name == "haproxy":
+            found.append(pid)
+    return found
+
+
 def worker_stats(server: ServeProcess) -> dict[str, dict[str, Any]]:
     """Every engine's counters, from the ingress's /stats."""
     status, body = server.get("/stats")

@@ -24,7 +24,8 @@ import pytest
 import yaml
 
 from moriio_ray.serve.process import ServeProcess, free_port
-from tests.e2e.serving import stop_if_running
+from moriio_ray.serve.serve_mode import isolated, mode_of
+from tests.e2e.serving import haproxy_pids, stop_if_running
 
 ROOT = Path(__file__).resolve().parents[2]
 RAY = str(Path(sys.executable).with_name("ray"))
@@ -140,6 +141,9 @@ def test_documented_multinode_steps(cluster: tuple[TwoNodes, str]) -> None:
     config = _cpu_config(nodes.work)
     nodes.serve.config_path.write_text(config.read_text())
     doc = yaml.safe_load(nodes.serve.config_path.read_text())
+    assert mode_of(doc) == "fast"  # the documented config runs Serve's fast path
+    # free HAProxy ports and a private HAProxy dir, beside any other HAProxy on this host
+    doc = isolated(doc, free_port, str(nodes.serve.work_dir / "h"))
     doc["http_options"] = {"host": "127.0.0.1", "port": nodes.serve.http_port}
     nodes.serve.config_path.write_text(yaml.safe_dump(doc, sort_keys=False))
     log = nodes.serve.log_path.open("wb")
@@ -159,6 +163,7 @@ def test_documented_multinode_steps(cluster: tuple[TwoNodes, str]) -> None:
     with urllib.request.urlopen(request, timeout=60) as resp:
         answer = json.loads(resp.read())
     assert answer["usage"]["completion_tokens"] == 8, answer
+    assert haproxy_pids(nodes.serve), "HAProxy should front the API in the fast path"
     # each node has one CPU and each engine takes one, so P and D run on different nodes; a third
     # client (a driver, in the head's environment) sees both nodes' CPUs taken
     probe = (

@@ -36,7 +36,9 @@ NOT_RUN = {
     "python bench/engine_bench.py": "needs an NVIDIA GPU",
     "python bench/handoff_bench.py --concurrency": "a benchmark of minutes; its record is bench/results/",
     "python bench/handoff_bench.py --backends": "a benchmark of minutes; its record is bench/results/",
-    "python bench/serving_bench.py": "needs an NVIDIA GPU; its record: bench/results/serving_gpu.json",
+    "python bench/serving_bench.py": "a benchmark of minutes (its GPU run needs an H200); records: "
+    "bench/results/serving_*.json",
+    "controller_options:": "a Serve config fragment; tests/unit/test_configs.py checks it in every config",
     "python bench/serve_bench.py": "a benchmark of minutes; its record is bench/results/serve_cpu.json",
     "# 1. on the head node": "the multi-node steps: tests/e2e/test_multinode_docs.py runs them (same block)",
 }

@@ -1,4 +1,5 @@
-"""``serve run configs/tiny_1p1d_cpu.yaml`` as a child process, driven over real HTTP.
+"""``serve run configs/tiny_1p1d_cpu.yaml`` as a child process, driven over real HTTP, in Serve's
+fast path (HAProxy in front of the ingress replica, which serves HTTP itself) as the config sets it.
 
 One server for the session, shared with test_hostile_http.py (startup is the expensive part; see
 tests/e2e/conftest.py). The child runs a private Ray cluster in its own process group and temp
@@ -19,7 +20,15 @@ import pytest
 
 from moriio_ray.serve.process import ServeProcess
 from moriio_ray.transfer.shm_segment import SHM_DIR
-from tests.e2e.serving import Shared, missing_metrics, quiet, readme_metrics, wait_quiet, worker_stats
+from tests.e2e.serving import (
+    Shared,
+    haproxy_pids,
+    missing_metrics,
+    quiet,
+    readme_metrics,
+    wait_quiet,
+    worker_stats,
+)
 
 MODEL = "tiny"
 MAX_MODEL_LEN = 2048  # configs/tiny_1p1d_cpu.yaml
@@ -38,6 +47,7 @@ def client(server: ServeProcess) -> openai.OpenAI:
 
 @pytest.mark.timeout(60)
 def test_health_models_stats(server: ServeProcess) -> None:
+    assert haproxy_pids(server), "the config's fast path should put HAProxy in front of the ingress"
     status, body = server.get("/health")
     assert status == 200 and body["workers"] == {"prefill": 1, "decode": 1}
     status, body = server.get("/v1/models")

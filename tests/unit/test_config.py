@@ -87,6 +87,7 @@ BAD_VALUES = [
     ("serve.request_timeout_s", 0, "0.0 must be > 0"),
     ("serve.default_max_tokens", 0, "0 must be >= 1"),
     ("serve.num_replicas", 0, "0 must be >= 1"),
+    ("serve.stream_interval", 0, "0 must be >= 1"),
     ("name", "a b", "'a b' may hold only letters, digits and _.-/"),
 ]
 

@@ -64,3 +64,24 @@ def test_default_config_runs_on_a_small_cpu_box(name: str) -> None:
     assert (pool.prefill.replicas, pool.decode.replicas) == (1, 1)
     assert pool.prefill.num_cpus + pool.decode.num_cpus <= 2, "must fit on a 2-core machine"
     assert pool.prefill.num_gpus == pool.decode.num_gpus == 0
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_config_runs_serve_in_the_fast_mode(path: Path) -> None:
+    """`serve run` of any shipped config starts Serve's controller with the fast path's flags."""
+    from moriio_ray.serve.serve_mode import FAST_ENV, controller_env, mode_of
+
+    doc = yaml.safe_load(path.read_text())
+    assert mode_of(doc) == "fast" and controller_env(doc) == FAST_ENV
+    # HAProxy binds every interface unless http_options.host says otherwise: say it in every file
+    assert doc.get("http_options", {}).get("host") in ("127.0.0.1", "0.0.0.0")
+
+
+@pytest.mark.timeout(10)
+def test_readme_shows_the_fast_path_block_the_configs_carry() -> None:
+    from moriio_ray.serve.serve_mode import FAST_ENV, controller_env
+
+    readme = (CONFIGS[0].parents[1] / "README.md").read_text()
+    block = readme.split("```yaml\ncontroller_options:", 1)[1].split("```", 1)[0]
+    assert controller_env(yaml.safe_load("controller_options:" + block)) == FAST_ENV

@@ -79,6 +79,14 @@ def test_refuses_a_running_pipeline_with_another_config(fake: type[FakePDPipelin
 
 
 @pytest.mark.timeout(30)
+def test_attaches_whatever_its_own_serve_section(fake: type[FakePDPipeline]) -> None:
+    # the serve section configures one ingress app, not the pool: another app may share the pool
+    fake.running = parse_pipeline_config({"name": "unit", "serve": {"stream_interval": 8}})
+    pipe, launched = app_mod.attach_or_launch(CFG)
+    assert not launched and pipe.config is fake.running
+
+
+@pytest.mark.timeout(30)
 def test_build_app_bounds_serve_queues() -> None:
     application = app_mod.build_app(msgspec_builtins(CFG))
     deployment: Any = application._bound_deployment

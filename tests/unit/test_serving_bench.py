@@ -15,10 +15,12 @@ from bench.serving_http import (
     Connection,
     ProtocolError,
     SSEParser,
+    read_event,
     stream_completion,
     tokens_in_event,
 )
 from bench.serving_report import goals, markdown
+from bench.serving_run import http_series
 from bench.serving_stats import (
     Record,
     cell_budget_s,
@@ -30,7 +32,7 @@ from bench.serving_stats import (
     schedule,
     summarize,
 )
-from bench.serving_systems import PIPELINES, pipeline_args
+from bench.serving_systems import PIPELINES, pipeline_args, with_stream_interval
 from moriio_ray import parse_pipeline_config
 
 # -- percentiles, schedule, summaries ---------------------------------------------------------------
@@ -188,6 +190,8 @@ def test_tokens_in_event() -> None:
     assert tokens_in_event(_event(3)) == 3
     assert tokens_in_event(b"[DONE]") == -1
     assert tokens_in_event(b'{"choices": [], "usage": {"prompt_tokens": 1}}') == 0
+    assert read_event(b'{"choices": [], "usage": {"completion_tokens": 5}}') == (0, 5)
+    assert read_event(_event(2)) == (2, None)
     assert tokens_in_event(b'{"choices": [{"text": "a", "logprobs": null}]}') == 0
     with pytest.raises(ProtocolError, match="overloaded"):
         tokens_in_event(b'{"error": {"message": "overloaded", "code": 503}}')
@@ -235,9 +239,19 @@ def test_closed_loop_keeps_concurrency_and_soft_deadline() -> None:
 
 
 @pytest.mark.timeout(20)
-def test_stream_completion_against_a_local_chunked_sse_server() -> None:
-    """Two requests on one keep-alive connection; the server splits events across chunks and reads."""
+@pytest.mark.parametrize(
+    ("usage", "error"), [(None, None), (4, None), (3, "usage says 3"), (-1, "usage says None")]
+)
+def test_stream_completion_against_a_local_chunked_sse_server(usage: int | None, error: str | None) -> None:
+    """Two requests on one keep-alive connection; the server splits events across chunks and reads.
+
+    ``usage``: the usage event's completion_tokens (-1: none sent although asked for; None: not asked)."""
     requests: list[bytes] = []
+    usage_event = (
+        b""
+        if usage in (None, -1)
+        else b'data: {"choices": [], "usage": {"completion_tokens": %d}}\n\n' % usage
+    )
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         for _ in range(2):
@@ -249,7 +263,8 @@ def test_stream_completion_against_a_local_chunked_sse_server() -> None:
             writer.write(
                 b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
             )
-            frames = b"".join(b"data: " + _event(n) + b"\n\n" for n in (1, 2, 1)) + b"data: [DONE]\n\n"
+            frames = b"".join(b"data: " + _event(n) + b"\n\n" for n in (1, 2, 1)) + usage_event
+            frames += b"data: [DONE]\n\n"
             for i in range(0, len(frames), 37):  # chunks that cut events anywhere
                 writer.write(b"%x\r\n%s\r\n" % (len(frames[i : i + 37]), frames[i : i + 37]))
                 await writer.drain()
@@ -263,7 +278,12 @@ def test_stream_completion_against_a_local_chunked_sse_server() -> None:
         conn = Connection("127.0.0.1", port)
         await conn.open()
         try:
-            return [await stream_completion(conn, "/v1/completions", i, b'{"i": %d}' % i) for i in range(2)]
+            return [
+                await stream_completion(
+                    conn, "/v1/completions", i, b'{"i": %d}' % i, check_usage=usage is not None
+                )
+                for i in range(2)
+            ]
         finally:
             conn.close()
             server.close()
@@ -272,7 +292,8 @@ def test_stream_completion_against_a_local_chunked_sse_server() -> None:
     records = asyncio.run(main())
     assert requests == [b'{"i": 0}', b'{"i": 1}']
     for i, rec in enumerate(records):
-        assert rec.index == i and rec.status == 200 and rec.error is None
+        assert rec.index == i and rec.status == 200
+        assert rec.error is None if error is None else error in (rec.error or "")
         assert rec.num_tokens == 4 and rec.num_chunks == 3
         assert rec.sent_s <= rec.first_s <= rec.last_s <= rec.done_s
 
@@ -335,7 +356,43 @@ def test_goals_and_tables_from_a_report() -> None:
     assert by["colocated/python c=1 prompt 1024"]["met"] is True  # TTFT + 1 ms
     assert by["pd-read/python c=1 prompt 1024"]["met"] is None  # needs the raw transfer time
     assert by["pd-read/http c=64 prompt 128"]["value"] is None  # a failed series decides nothing
+    assert by["cells that did not run"]["met"] is False
     table = markdown(report)
     assert "| colocated/python | 128 | 900 (0.90) | 57,600 (0.90) |" in table
     assert "| pd-read/http | 128 | - | - |" in table
     assert "| engine | 1024 | 2.0 / 4.0 | 2.0 / 4.0 | 10.0 / 20.0 | 10.0 / 20.0 |" in table
+
+
+def test_http_goals_compare_each_serve_mode_with_the_python_api() -> None:
+    cells = []
+    for c in (1, 64, 128):
+        cells.append(_cell("colocated/python", c, 128, 100.0 * c, 0.002, 0.010))
+        cells.append(_cell("colocated/http", c, 128, 50.0 * c, 0.004, 0.030))  # half the rate, slow TTFT
+        cells.append(_cell("colocated/http-fast", c, 128, 95.0 * c, 0.002, 0.0115))
+    cells[-1]["summary"]["num_errors"] = 1  # one request of the last cell failed
+    report = {
+        "grid": {"concurrency": [1, 64, 128], "prompt_lens": [128], "output_tokens": 64},
+        "engine_decode_only": {"batch": 64, "decode_tok_s": 8000.0},
+        "cells": cells,
+    }
+    by = {row["measure"]: row for row in goals(report) if row["issue"] == 20}
+    slow, fast = "colocated/http / colocated/python", "colocated/http-fast / colocated/python"
+    assert by[f"{slow} tok/s, c=128 prompt 128"]["value"] == pytest.approx(0.5)
+    assert by[f"{slow} tok/s, c=64 prompt 128"]["met"] is False
+    assert by[f"{fast} tok/s, c=64 prompt 128"]["met"] is True  # 0.95
+    assert by["colocated/http-fast c=64 tok/s / engine decode-only"]["value"] == pytest.approx(95 * 64 / 8000)
+    assert by["colocated/http - colocated/python TTFT p50 (s), c=1"]["met"] is False  # + 20 ms
+    assert by["colocated/http-fast - colocated/python TTFT p50 (s), c=1"]["met"] is True  # + 1.5 ms
+    assert by[f"{slow} TTFT p50, c=64"]["value"] == pytest.approx(3.0)
+    assert by[f"{fast} TTFT p50, c=64"]["met"] is True
+    errors = by["requests that failed, or whose usage differed from the tokens received"]
+    assert errors["value"] == 1 and errors["met"] is False
+
+
+def test_http_series_labels_and_stream_interval() -> None:
+    assert http_series(["default", "fast"], []) == [("http", "default", None), ("http-fast", "fast", None)]
+    assert http_series(["fast"], [1, 8]) == [("http-fast-i1", "fast", 1), ("http-fast-i8", "fast", 8)]
+    assert http_series(["default"], [4]) == [("http", "default", 4)]
+    args = {"name": "x", "serve": {"num_replicas": 2}}
+    assert with_stream_interval(args, 4) == {"name": "x", "serve": {"num_replicas": 2, "stream_interval": 4}}
+    assert with_stream_interval(args, None) is args and "stream_interval" not in args["serve"]
