@@ -30,7 +30,7 @@ from moriio_ray import env, metrics
 from moriio_ray.config import PipelineConfig, load_config, parse_pipeline_config
 from moriio_ray.engine.sampling import MAX_TOKENS_CAP, SamplingParams
 from moriio_ray.engine.tokenizer import load_tokenizer
-from moriio_ray.errors import CapacityError, ConfigError, InvalidRequest
+from moriio_ray.errors import ConfigError, InvalidRequest
 from moriio_ray.runtime import coordinator as coord
 from moriio_ray.runtime.bgloop import BackgroundLoop
 from moriio_ray.runtime.deadline import deadline
@@ -40,6 +40,7 @@ from moriio_ray.runtime.messages import GenRequest, Timings
 from moriio_ray.runtime.results import GenerationResult, StreamEvent
 from moriio_ray.runtime.router import Router
 from moriio_ray.runtime.streams import OutputStreams
+from moriio_ray.runtime.validate import check_request
 
 log = logging.getLogger(__name__)
 
@@ -160,18 +161,8 @@ class PDPipeline:
         if (prompt is None) == (token_ids is None):
             raise InvalidRequest("give exactly one of prompt and token_ids")
         ids = self._encode(prompt) if token_ids is None else _token_ids(token_ids)
-        if not ids:
-            raise InvalidRequest("prompt: the prompt is empty")
         vocab = min(self.tokenizer.vocab_size, self.vocab_size or self.tokenizer.vocab_size)
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidRequest(f"prompt: token id {bad} is outside the vocabulary 0..{vocab - 1}")
-        params.check_for_model(vocab)
-        if self.max_model_len and len(ids) + params.max_tokens > self.max_model_len:
-            raise CapacityError(
-                f"the prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds the "
-                f"model's length of {self.max_model_len} tokens"
-            )
+        check_request(ids, params, vocab_size=vocab, max_model_len=self.max_model_len)
         return GenRequest(request_id=request_id or uuid.uuid4().hex, prompt_token_ids=ids, params=params)
 
     def _encode(self, prompt: object) -> list[int]:

@@ -105,24 +105,40 @@ def internal_error(request_id: str | None = None) -> APIError:
     )
 
 
-def from_exception(exc: BaseException, *, validating: bool, request_id: str | None = None) -> APIError:
+def from_exception(
+    exc: BaseException,
+    *,
+    validating: bool,
+    request_id: str | None = None,
+    fields: dict[str, str] | None = None,
+) -> APIError:
     """The APIError for an exception raised while serving a request.
 
     ``validating`` is True while the request is being checked and tokenized (before any engine
     work): a CapacityError there means the prompt cannot fit (400); later it means that no worker
     could take the request (503). Anything unexpected is a generic 500 (``internal_error``), its
-    detail logged under ``request_id``.
+    detail logged under ``request_id``. ``fields`` renames the pipeline's field names in a
+    validation error to the request's own (``max_tokens`` -> ``max_completion_tokens``).
     """
     if isinstance(exc, APIError):
         return exc
     exc = _cause(exc)
     text = public_text(exc)
+    if isinstance(exc, (InvalidRequest, CapacityError)) and validating:
+        match = _FIELD_PREFIX.match(text)
+        field = match.group("field") if match else None
+        renames = fields or {}
+        if field is not None and field in renames:
+            text, field = renames[field] + text[len(field) :], renames[field]
+        if "max_tokens" in renames:  # also where the message says what to lower
+            text = re.sub(r"\bmax_tokens\b", renames["max_tokens"], text)
+        if isinstance(exc, CapacityError):
+            return bad_request(text, param=field or "max_tokens", code="context_length_exceeded")
+        return bad_request(text, param=field)
     if isinstance(exc, InvalidRequest):
         match = _FIELD_PREFIX.match(text)
         return bad_request(text, param=match.group("field") if match else None)
     if isinstance(exc, CapacityError):
-        if validating:
-            return bad_request(text, param="max_tokens", code="context_length_exceeded")
         return unavailable(text)
     if isinstance(exc, Overloaded):
         return APIError(429, text, type="rate_limit_error", code="too_many_requests")

@@ -169,7 +169,7 @@ class OpenAIServer:
                 token_ids=prepared.token_ids, params=prepared.params, request_id=fmt.id
             )
         except Exception as exc:
-            raise from_exception(exc, validating=True) from None
+            raise from_exception(exc, validating=True, fields=prepared.fields) from None
         slot = self.admission.acquire()
         deadline = Deadline(self.request_timeout_s)
         events = self.pipe.stream_request(gen_req)

@@ -1,15 +1,20 @@
-"""Turn a validated OpenAI request into what the pipeline takes: prompt token ids and SamplingParams.
+"""Turn a parsed OpenAI request into what the pipeline takes: prompt token ids and SamplingParams.
 
-Length rule: a prompt that leaves no room for one output token, or a ``max_tokens`` that does not fit
-after the prompt, is a 400 with code ``context_length_exceeded`` (what OpenAI answers, and what
-OpenAI clients already handle), not a 413: 413 is kept for bodies over ``MAX_BODY_BYTES``.
-Without ``max_tokens`` the server uses ``serve.default_max_tokens``, cut to the room left.
+This parses, tokenizes and fills defaults; it checks only what is particular to the OpenAI request
+(its shape, the model name, ``n``, the roles). The request's check against the model (empty prompt,
+token ids, the length rule) is ``PDPipeline.make_request``'s, once for both front ends; its errors
+name the pipeline's fields, which ``Prepared.fields`` maps to this request's (``messages``,
+``max_completion_tokens``). Length rule: a prompt that leaves no room for one output token, or a
+``max_tokens`` that does not fit after the prompt, is a 400 with code ``context_length_exceeded``
+(what OpenAI answers, and what OpenAI clients already handle), not a 413: 413 is kept for bodies
+over ``MAX_BODY_BYTES``. Without ``max_tokens`` the server uses ``serve.default_max_tokens``, cut to
+the room left.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from moriio_ray.engine.sampling import SamplingParams
@@ -39,10 +44,12 @@ class Limits:
 
 @dataclass(frozen=True)
 class Prepared:
-    """A request ready for the pipeline."""
+    """A request ready for the pipeline; ``fields`` maps the pipeline's field names in its errors
+    (``prompt``, ``max_tokens``) to this request's."""
 
     token_ids: list[int]
     params: SamplingParams
+    fields: dict[str, str] = field(default_factory=dict)
 
 
 def check_model(requested: str | None, limits: Limits) -> None:
@@ -82,7 +89,7 @@ def prepare_chat(req: ChatCompletionRequest, tok: TokenizerLike, limits: Limits)
     if max_tokens is None:
         max_tokens, name = req.max_tokens, "max_tokens"
     params = _sampling(req, max_tokens, name, len(ids), limits, logprobs=req.logprobs)
-    return Prepared(token_ids=ids, params=params)
+    return Prepared(token_ids=ids, params=params, fields={"prompt": "messages", "max_tokens": name})
 
 
 def _only_zero(value: int | None, name: str) -> None:
@@ -131,13 +138,6 @@ def _prompt_ids(prompt: str | list[object], tok: TokenizerLike) -> list[int]:
         )
     else:
         raise bad_request("prompt: must be a string or a list of token ids", param="prompt")
-    if not ids:
-        raise bad_request("prompt: the prompt is empty", param="prompt")
-    bad = [t for t in ids if not 0 <= t < tok.vocab_size]
-    if bad:
-        raise bad_request(
-            f"prompt: token id {bad[0]} is outside the vocabulary 0..{tok.vocab_size - 1}", param="prompt"
-        )
     return ids
 
 
@@ -158,22 +158,8 @@ def _sampling(
         raise bad_request(f"n: {req.n} is not supported; this server returns one choice (n = 1)", param="n")
     if max_tokens is not None and max_tokens < 1:
         raise bad_request(f"{max_name}: {max_tokens} must be at least 1", param=max_name)
-    room = limits.max_model_len - num_prompt_tokens
-    if room < 1:
-        raise bad_request(
-            f"the prompt is {num_prompt_tokens} tokens but the model's context length is "
-            f"{limits.max_model_len} tokens, leaving no room for output; shorten the prompt",
-            param="messages" if isinstance(req, ChatCompletionRequest) else "prompt",
-            code="context_length_exceeded",
-        )
-    if max_tokens is not None and max_tokens > room:
-        raise bad_request(
-            f"the model's context length is {limits.max_model_len} tokens, but the request asks for "
-            f"{num_prompt_tokens + max_tokens} ({num_prompt_tokens} in the prompt, {max_tokens} to "
-            f"generate); lower {max_name} to at most {room} or shorten the prompt",
-            param=max_name,
-            code="context_length_exceeded",
-        )
+    # the default is cut to the room left (at least 1: a prompt with no room is make_request's 400)
+    room = max(1, limits.max_model_len - num_prompt_tokens)
     try:
         return SamplingParams(
             max_tokens=max_tokens if max_tokens is not None else min(limits.default_max_tokens, room),

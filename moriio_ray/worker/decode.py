@@ -122,7 +122,9 @@ class DecodeSide:
         finally:
             rec.task = None
             if not started:
-                c.mailbox.abandon(rid)
+                late = c.mailbox.abandon(rid)
+                if isinstance(late, KVHandle):  # handed over, never read here: free P's lease
+                    c.release_lease(late)
                 c.discard(rec)
 
     async def _accept_push(self, rec: WorkerRequest, push: PushResult, handoff_unix: float) -> DecodeStart:

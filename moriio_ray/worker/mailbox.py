@@ -53,6 +53,10 @@ class Mailbox(Generic[T]):
             return await asyncio.wait_for(fut, timeout_s)
         except asyncio.TimeoutError:
             raise DeadlineExceeded(f"no prefill result for {request_id} within {timeout_s} s") from None
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():  # delivered just before the cancel: not lost,
+                self._early[request_id] = fut.result()  # ``abandon`` hands it to whoever frees it
+            raise
         finally:
             self._waiters.pop(request_id, None)
             self._closed[request_id] = time.time()

@@ -43,3 +43,24 @@ def test_deadline_and_abandon() -> None:
         assert not box.deliver("r3", "late")  # arrives after its decode gave up: refused
 
     asyncio.run(run())
+
+
+@pytest.mark.timeout(10)
+def test_a_take_cancelled_just_after_its_delivery_leaves_the_item_to_abandon() -> None:
+    # The hand-over resolves the waiting take; the decode call is cancelled before it resumes.
+    # The item (a lease on P) must not be lost: whoever abandons the request gets it, to release it.
+    async def run() -> None:
+        box: Mailbox[str] = Mailbox()
+        waiter = asyncio.ensure_future(box.take("r", 5.0))
+        await asyncio.sleep(0)
+        assert box.deliver("r", "lease")
+        waiter.cancel()  # before the taker has run again
+        try:
+            owner = await waiter  # the take may still return it (asyncio.wait_for on 3.11)
+        except asyncio.CancelledError:
+            owner = box.abandon("r")  # else whoever abandons the request gets it
+        else:
+            assert box.abandon("r") is None  # one owner only
+        assert owner == "lease" or owner == ("lease", pytest.approx(owner[1]))
+
+    asyncio.run(run())

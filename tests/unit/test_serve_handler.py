@@ -13,6 +13,7 @@ import pytest
 from moriio_ray.engine.tokenizer import ByteTokenizer
 from moriio_ray.errors import CapacityError, PeerLost
 from moriio_ray.runtime.pipeline import StreamEvent
+from moriio_ray.runtime.validate import check_request
 from moriio_ray.serve.handler import MAX_BODY_BYTES, JSONReply, OpenAIServer, Reply, StreamReply
 from moriio_ray.serve.prepare import Limits
 
@@ -33,10 +34,15 @@ class FakePipeline:
     closed: list[str] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)
 
+    max_model_len: int = 64  # as the servers below are told (their Limits)
+
     def make_request(
         self, prompt: Any = None, *, token_ids: Any = None, params: Any = None, request_id: Any = None
     ):
-        return (request_id, list(token_ids), params)
+        # the real pipeline's one check against the model (PDPipeline.make_request runs the same)
+        ids = list(token_ids)
+        check_request(ids, params, vocab_size=self.tokenizer.vocab_size, max_model_len=self.max_model_len)
+        return (request_id, ids, params)
 
     async def stream_request(self, req: Any) -> AsyncIterator[StreamEvent]:
         request_id, ids, params = req

@@ -1,4 +1,9 @@
-"""Request -> (prompt token ids, SamplingParams), with the byte tokenizer of the tiny preset."""
+"""Request -> (prompt token ids, SamplingParams), with the byte tokenizer of the tiny preset.
+
+Errors go through what the ingress does before any pipeline work: ``prepare_*`` (parsing, the
+OpenAI request's own rules), then the pipeline's one check against the model
+(``runtime/validate.py``, which ``PDPipeline.make_request`` runs), mapped to the request's fields.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +12,8 @@ import json
 import pytest
 
 from moriio_ray.engine.tokenizer import ByteTokenizer
-from moriio_ray.serve.errors import APIError
+from moriio_ray.runtime.validate import check_request
+from moriio_ray.serve.errors import APIError, from_exception
 from moriio_ray.serve.openai import ChatCompletionRequest, CompletionRequest, parse_request
 from moriio_ray.serve.prepare import Limits, Prepared, prepare_chat, prepare_completion
 
@@ -26,9 +32,20 @@ def _chat(**body: object) -> Prepared:
     return prepare_chat(req, TOK, LIMITS)
 
 
+def _ingress(fn: object, **body: object) -> Prepared:
+    prepared: Prepared = fn(**body)  # type: ignore[operator]
+    try:
+        check_request(
+            prepared.token_ids, prepared.params, vocab_size=TOK.vocab_size, max_model_len=LIMITS.max_model_len
+        )
+    except Exception as exc:
+        raise from_exception(exc, validating=True, fields=prepared.fields) from None
+    return prepared
+
+
 def _error(fn: object, **body: object) -> APIError:
     with pytest.raises(APIError) as info:
-        fn(**body)  # type: ignore[operator]
+        _ingress(fn, **body)
     return info.value
 
 
@@ -130,3 +147,17 @@ def test_unknown_model_is_404() -> None:
 def test_bad_values_are_400_naming_the_field(fn: object, body: dict, param: str) -> None:
     err = _error(fn, **body)
     assert err.status == 400 and err.info.param == param, err.info
+
+
+@pytest.mark.timeout(10)
+def test_the_check_against_the_model_is_the_pipelines_alone() -> None:
+    # prepare parses and tokenizes; the empty prompt, token ids and length rule are checked once,
+    # in PDPipeline.make_request (runtime/validate.py), not here again
+    assert prepare_completion(
+        parse_request(b'{"prompt": [1, 999]}', CompletionRequest), TOK, LIMITS
+    ).token_ids == [
+        1,
+        999,
+    ]
+    assert _completion(prompt="x" * 64).params.max_tokens == 1  # no room: make_request's 400
+    assert _error(_completion, prompt=[1, 999]).info.param == "prompt"
