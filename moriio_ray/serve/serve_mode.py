@@ -19,8 +19,12 @@ made alike; from Python, ``serve.start(controller_options=controller_options("fa
 HAProxy's statistics page and Prometheus exporter listen on every interface, on fixed ports (8404
 and 9101 unless ``RAY_SERVE_HAPROXY_STATS_PORT`` / ``RAY_SERVE_HAPROXY_METRICS_PORT`` say
 otherwise), and its configuration and admin socket live under ``/tmp/haproxy-serve``, so two such
-Serve clusters on one host collide; ``isolated`` gives the tests' and benchmarks' private clusters
-free ports and a directory of their own.
+Serve clusters on one host collide. Worse, each cluster gives its replicas' direct ports from the
+same range (30000-31000 unless ``RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT`` / ``_MAX_HTTP_PORT`` say
+otherwise) and a replica binds its port with SO_REUSEPORT, so two clusters' replicas can share a
+port and the kernel splits one cluster's connections between them (seen here: a SmolLM2 server's
+requests answered by a `tiny` one). ``isolated`` gives the tests' and benchmarks' private clusters
+free ports, a direct-port range and a directory of their own.
 """
 
 from __future__ import annotations
@@ -43,6 +47,12 @@ FAST_ENV = {
     "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "5",
 }
 HAPROXY_PORT_VARS = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT")
+# the replicas' direct ports: (first, last) variables per protocol, and how many a cluster gets
+DIRECT_PORT_RANGES = (
+    ("RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT", "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"),
+    ("RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT", "RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT"),
+)
+DIRECT_PORTS_PER_CLUSTER = 16
 # HAProxy's sockets go to <dir>/<56-character node id>/metrics.sock, at most 97 characters in all
 MAX_FILES_DIR_CHARS = 97 - len("/") - 56 - len("/metrics.sock")
 # where HAProxy's files go (Ray's defaults are under /tmp/haproxy-serve), by file name
@@ -104,6 +114,10 @@ def isolated(
     for name in HAPROXY_PORT_VARS:
         if name not in env:
             env[name] = str(free_port())
+    for low, high in DIRECT_PORT_RANGES:  # a range starting at a port that was free a moment ago
+        if low not in env:
+            first = min(free_port(), 65535 - DIRECT_PORTS_PER_CLUSTER)
+            env[low], env[high] = str(first), str(first + DIRECT_PORTS_PER_CLUSTER)
     for name, file in HAPROXY_FILE_VARS.items():
         if files_dir is not None and name not in env:
             env[name] = f"{files_dir.rstrip('/')}/{file}".rstrip("/")
