@@ -1,4 +1,5 @@
-"""Disaggregated greedy tokens equal colocated ones, for both modes and both CPU backends."""
+"""Disaggregated greedy tokens equal colocated ones, for both modes and both CPU backends, with and
+without chunked prefill (a WRITE push then follows the chunks)."""
 
 from __future__ import annotations
 
@@ -29,10 +30,18 @@ def reference() -> Iterator[dict[str, list[list[int]]]]:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("backend", ["shm", "tcp"])
-@pytest.mark.parametrize("mode", ["read", "write"])
-def test_pd_tokens_equal_colocated(reference: dict[str, list[list[int]]], backend: str, mode: str) -> None:
-    pipe = PDPipeline.launch(tiny_config(f"parity-{backend}-{mode}", backend=backend, mode=mode))
+@pytest.mark.parametrize(
+    ("backend", "mode", "budget"),
+    # a budget of 40 tokens a step prefills the longer prompts (up to 120) in chunks, on P and D
+    [("shm", "read", 4096), ("tcp", "read", 40), ("shm", "write", 40), ("tcp", "write", 4096)],
+)
+def test_pd_tokens_equal_colocated(
+    reference: dict[str, list[list[int]]], backend: str, mode: str, budget: int
+) -> None:
+    engine = {"max_num_batched_tokens": budget}
+    pipe = PDPipeline.launch(
+        tiny_config(f"parity-{backend}-{mode}", backend=backend, mode=mode, engine=engine)
+    )
     try:
         results = pipe.generate_batch(PROMPTS, GREEDY, max_concurrency=16)
         assert [len(r.token_ids) for r in results] == [12] * len(PROMPTS)
