@@ -22,7 +22,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from moriio_ray.engine.attention_prefill import PrefillPlan, prefill_attention
+from moriio_ray.engine.attention_prefill import PrefillPlan, additive, gather_blocks, prefill_attention
 
 
 @dataclasses.dataclass
@@ -39,14 +39,16 @@ class AttnMetadata:
     start_pos: list[int] = dataclasses.field(default_factory=list)  # tokens cached before the step
     # the torch path's precomputation
     decode_tables: torch.Tensor | None = None  # [Bd, Wd] int64: the decode rows' tables
-    decode_mask: torch.Tensor | None = None  # [Bd, 1, 1, Wd * block_size] bool, True = attend
+    decode_mask: torch.Tensor | None = None  # [Bd, 1, 1, Wd * block_size]: bool (True = attend) or 0/-inf
     prefill: PrefillPlan | None = None  # the prefill rows (after the decodes)
 
 
-def decode_mask(context_lens: torch.Tensor, num_slots: int) -> torch.Tensor:
-    """[B, 1, 1, num_slots] bool: slot j of sequence b takes part iff j < context_lens[b]."""
+def decode_mask(context_lens: torch.Tensor, num_slots: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """[B, 1, 1, num_slots]: slot j of sequence b takes part iff j < context_lens[b] (bool, or with
+    ``dtype`` an additive mask, which SDPA would otherwise rebuild from the bool one every layer)."""
     span = torch.arange(num_slots, device=context_lens.device)
-    return (span[None, :] < context_lens[:, None])[:, None, None, :]
+    keep = (span[None, :] < context_lens[:, None])[:, None, None, :]
+    return keep if dtype is None else additive(keep, dtype)
 
 
 def write_kv(
@@ -91,8 +93,8 @@ def paged_decode_attention(
     assert meta.decode_tables is not None and meta.decode_mask is not None
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
-    k = k_cache[meta.decode_tables].flatten(1, 2).transpose(1, 2)  # [B, Hkv, S, D]
-    v = v_cache[meta.decode_tables].flatten(1, 2).transpose(1, 2)  # [B, Hkv, S, D]
+    k = gather_blocks(k_cache, meta.decode_tables).flatten(1, 2).transpose(1, 2)  # [B, Hkv, S, D]
+    v = gather_blocks(v_cache, meta.decode_tables).flatten(1, 2).transpose(1, 2)  # [B, Hkv, S, D]
     qg = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, Hkv, G, D]
     out = F.scaled_dot_product_attention(qg, k, v, attn_mask=meta.decode_mask)
     return out.reshape(num_seqs, num_heads, head_dim)

@@ -35,6 +35,7 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.device = device
         self.block_size = kv_cache.layout.block_size
+        self.dtype = model.model.embed_tokens.weight.dtype
         self.graphs = graphs
 
     def prepare(
@@ -64,13 +65,14 @@ class ModelRunner:
             q_lens=host.q_lens,
             start_pos=host.start_pos,
         )
+        dtype = self.dtype
         if nd:
             meta.decode_tables = tables[:nd, : host.decode_width]
-            meta.decode_mask = decode_mask(context_lens[:nd], host.decode_width * self.block_size)
+            meta.decode_mask = decode_mask(context_lens[:nd], host.decode_width * self.block_size, dtype)
         if nd < num_rows:
             lens = cu[nd + 1 :] - cu[nd:-1]  # [rows] the prefill rows' new tokens
             meta.prefill = prefill_plan(
-                host.q_lens[nd:], host.start_pos[nd:], lens, tables[nd:], self.block_size
+                host.q_lens[nd:], host.start_pos[nd:], lens, tables[nd:], self.block_size, dtype
             )
         all_rows = host.sample_index.size == num_rows == host.ids.size
         sample_index = None if all_rows else view(host.sample_index)

@@ -80,10 +80,10 @@ def test_paged_decode_matches_dense(layout: str) -> None:
     assert cache.layers[0][0].abs().sum() == 0 and cache.layers[2][1].abs().sum() == 0
 
 
-def _stub(cache: KVCache | None = None) -> ModelRunner:
+def _stub(dtype: torch.dtype = torch.float32) -> ModelRunner:
     """A runner holding only what ``prepare`` reads."""
     stub = ModelRunner.__new__(ModelRunner)
-    stub.device, stub.block_size = torch.device("cpu"), BLOCK
+    stub.device, stub.block_size, stub.dtype = torch.device("cpu"), BLOCK, dtype
     return stub
 
 
@@ -106,7 +106,7 @@ def test_fresh_prompts_match_dense(lengths: list[int], masked: bool, monkeypatch
     k = torch.randn(total, KV_HEADS, HEAD_DIM, generator=gen, dtype=torch.float64)
     v = torch.randn(total, KV_HEADS, HEAD_DIM, generator=gen, dtype=torch.float64)
     seqs = [_seq(0, n, list(range(-(-n // BLOCK)))) for n in lengths]
-    _, positions, meta, _ = _stub().prepare(Batch.prefill(seqs))
+    _, positions, meta, _ = _stub(torch.float64).prepare(Batch.prefill(seqs))
     assert meta.prefill is not None and not meta.prefill.extend and meta.prefill.fresh is not None
     fresh = meta.prefill.fresh
     assert fresh.uniform == (len(set(lengths)) == 1)
