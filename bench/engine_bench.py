@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import statistics
 import sys
@@ -77,18 +76,25 @@ def random_prompts(batch: int, prompt_len: int, vocab: int, seed: int) -> list[l
 
 
 def engine_run(engine: Engine, batch: int, prompt_len: int, decode_steps: int, seed: int) -> dict[str, float]:
-    """One prefill step of ``batch`` prompts, then ``decode_steps`` decode steps; seconds and tokens."""
+    """One prefill step of ``batch`` prompts, then ``decode_steps`` decode steps; seconds and tokens.
+    With overlapped scheduling a step's tokens come back with the next step: the prefill phase ends
+    with the step that returns the first tokens (it launched the first decode), and the decode phase
+    ends with the step that only reads the last one back."""
     params = SamplingParams(max_tokens=decode_steps + 1, ignore_eos=True)
     for i, prompt in enumerate(random_prompts(batch, prompt_len, engine.args.vocab_size, seed)):
         engine.add_request(f"b{batch}-s{seed}-{i}", prompt, params)
-    prefill_s, outs = timed(engine.device, engine.step)
-    assert len(outs) == batch and all(len(o.new_token_ids) == 1 for o in outs), "prefill was split"
+    prefill_s, num_first = 0.0, 0
+    while num_first == 0:
+        step_s, outs = timed(engine.device, engine.step)
+        prefill_s += step_s
+        num_first = sum(len(o.new_token_ids) for o in outs)
+    assert num_first == batch, "prefill was split"
     num_decoded, decode_s = 0, 0.0
-    for _ in range(decode_steps):
+    while engine.has_work():
         step_s, outs = timed(engine.device, engine.step)
         decode_s += step_s
         num_decoded += sum(len(o.new_token_ids) for o in outs)
-    assert num_decoded == batch * decode_steps and not engine.has_work()
+    assert num_decoded == batch * decode_steps
     return {
         "prefill_s": prefill_s,
         "decode_s": decode_s,
@@ -233,7 +239,11 @@ def main() -> None:
     parser.add_argument("--long-prompt-len", type=int, default=4096)
     parser.add_argument("--budgets", default="256,512", help="chunked configurations' token budgets")
     parser.add_argument("--unchunked-budget", type=int, default=4096)
-    parser.add_argument("--overlap", action="store_true", help="also each configuration overlapped")
+    parser.add_argument(
+        "--overlap",
+        action="store_true",
+        help="overlapped scheduling (scenarios: each configuration both ways)",
+    )
     parser.add_argument("--concurrency", type=int, default=16, help="closed-loop: requests in flight")
     parser.add_argument("--num-requests", type=int, default=96)
     parser.add_argument("--prompt-range", type=int, nargs=2, default=[32, 512])
@@ -277,6 +287,7 @@ def main() -> None:
                 layout=a.layout,
                 max_num_seqs=max_batch,
                 max_num_batched_tokens=max_batch * a.prompt_len,
+                overlap_scheduling=True if a.overlap else None,
             ),
             role="colocated",
             cuda_graphs=not a.no_cuda_graphs,
@@ -307,17 +318,8 @@ def main() -> None:
         results.append(row)
         assert engine.stats()["num_used_blocks"] == 0
     env = scenarios.environment(engine, load_before)
-    report = {
-        "benchmark": "engine_bench",
-        "args": {k: v for k, v in vars(a).items() if k != "out"},  # no machine paths in results
-        "environment": env,
-        "engine_build_s": build_s,
-        "results": results,
-    }
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"engine_{a.preset}_{a.device}_{a.dtype}{'_eager' if a.no_cuda_graphs else ''}"
-    stem.with_suffix(".json").write_text(json.dumps(report, indent=2))
+    name = f"engine_{a.preset}_{a.device}_{a.dtype}{'_eager' if a.no_cuda_graphs else ''}"
+    stem = scenarios.write_report(a, name, env, engine_build_s=build_s, results=results)
     title = (
         f"{a.preset} {a.dtype} on {env['device'] or a.device}: prompt {a.prompt_len}, "
         f"{a.decode_steps} decode steps, median of {a.repeats}"

@@ -176,11 +176,13 @@ def closed_loop(
 
 
 def configurations(budgets: list[int], overlap: bool) -> list[tuple[str, dict[str, Any]]]:
-    """(name, EngineConfig overrides): unchunked, chunked at each budget, and with overlap."""
+    """(name, EngineConfig overrides): unchunked, chunked at each budget, with the engine's default
+    scheduling; with ``overlap`` each of them synchronous and overlapped."""
     out: list[tuple[str, dict[str, Any]]] = [("unchunked", {"chunked_prefill": False})]
     out += [(f"chunked {b}", {"max_num_batched_tokens": b}) for b in budgets]
     if overlap:
-        out += [(f"{name} + overlap", {**kw, "overlap_scheduling": True}) for name, kw in list(out)]
+        sync = [(name, {**kw, "overlap_scheduling": False}) for name, kw in out]
+        out = sync + [(f"{name} + overlap", {**kw, "overlap_scheduling": True}) for name, kw in out]
     return out
 
 
@@ -286,6 +288,22 @@ def environment(engine: Engine, load_before: tuple[float, float, float]) -> dict
     }
 
 
+def write_report(a: argparse.Namespace, name: str, env: dict[str, Any], **fields: Any) -> Path:
+    """The run's record as ``<a.out>/<name>.json`` (its args without the output folder: no machine
+    paths in results); the path without suffix, for the plot beside it."""
+    report = {
+        "benchmark": "engine_bench" + (f" --scenario {a.scenario}" if a.scenario != "throughput" else ""),
+        "args": {k: v for k, v in vars(a).items() if k != "out"},
+        "environment": env,
+        **fields,
+    }
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / name
+    stem.with_suffix(".json").write_text(json.dumps(report, indent=2))
+    return stem
+
+
 def main(a: argparse.Namespace) -> None:
     """The long-prompt or closed-loop scenario over its configurations (``engine_scenarios``)."""
     long = a.scenario == "long-prompt"
@@ -346,17 +364,8 @@ def main(a: argparse.Namespace) -> None:
     for name, r in results.items():
         print(f"{name}: median {r['median']}", flush=True)
     env = environment(make({})(), load_before)
-    report = {
-        "benchmark": f"engine_bench --scenario {a.scenario}",
-        "args": {k: v for k, v in vars(a).items() if k != "out"},
-        "environment": env,
-        "engine_fields": sorted(fields),
-        "results": results,
-    }
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"engine_{a.scenario}_{a.preset}_{a.device}_{a.dtype}{a.tag}"
-    stem.with_suffix(".json").write_text(json.dumps(report, indent=2))
+    name = f"engine_{a.scenario}_{a.preset}_{a.device}_{a.dtype}{a.tag}"
+    stem = write_report(a, name, env, engine_fields=sorted(fields), results=results)
     what = (
         f"{a.running} decoding, a {a.long_prompt_len}-token prompt arrives"
         if long

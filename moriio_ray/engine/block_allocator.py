@@ -72,12 +72,6 @@ class BlockAllocator:
             self._refs[i] = 1
         return ids
 
-    def hold(self, block_ids: list[int]) -> None:
-        """One more reference on each (used) block: it stays out of use until ``free``d once more."""
-        for i in block_ids:
-            assert self._refs[i] > 0, f"block {i} is free and cannot be held"
-            self._refs[i] += 1
-
     def free(self, block_ids: list[int] | tuple[int, ...]) -> None:
         """Drop one reference from each block; a block with none left becomes free."""
         for i in block_ids:

@@ -163,7 +163,8 @@ class Engine:
         *,
         sample_offset: int = 0,
     ) -> list[int] | None:
-        """Decode role: blocks for a prompt whose KV a transfer writes in; None if short right now."""
+        """Decode role: blocks for a prompt whose KV a transfer writes in; None if short right now.
+        With a step in flight (overlapped scheduling) it first waits until the device has run it."""
         with self._lock:
             if self.role == "prefill":
                 raise InvalidRequest("reserve: a prefill engine takes no injected KV; use a decode engine")
@@ -171,6 +172,8 @@ class Engine:
             need = blocks_for(len(prompt_token_ids), self.block_size)
             if not self.allocator.can_allocate(need):
                 return None
+            if self._in_flight is not None:  # a freed block may still be written by the device
+                self._in_flight.wait()
             seq = self._new_seq(request_id, prompt_token_ids, params, sample_offset)
             seq.state = SeqState.RESERVED
             seq.block_table = self.allocator.allocate(need)
@@ -240,9 +243,8 @@ class Engine:
                     self._steps.send(encode_batch(batch))  # the other ranks run the same batch
                 prev = self._in_flight.tokens if self._in_flight is not None else None
                 launched = launch(
-                    batch, self.runner, hook=self._layer_hook, prev_tokens=prev,
-                    allocator=self.allocator if self.overlap else None, on_failure=self._drop,
-                )  # fmt: skip
+                    batch, self.runner, hook=self._layer_hook, prev_tokens=prev, on_failure=self._drop
+                )
             done, self._in_flight = (self._in_flight, launched) if self.overlap else (launched, None)
             if done is not None:
                 outputs += self._read_back(done)
@@ -251,7 +253,6 @@ class Engine:
     def _read_back(self, done: InFlight) -> list[StepOutput]:
         """The outputs of a launched step: its tokens appended, stop checks, finished requests."""
         tokens, logprobs = done.read()
-        self.allocator.free(done.held)  # the step has run: nothing of it writes any more
         outputs = []
         for i, row in enumerate(done.rows):
             seq = row.seq

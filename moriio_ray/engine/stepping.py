@@ -7,9 +7,10 @@ device-to-host copy of the step: the sampled ids, with their log probabilities' 
 is the launched step; ``read`` waits for that copy (the step's only synchronisation).
 
 Overlapped scheduling launches step N+1 before reading step N back, so the host schedules and
-prepares N+1 while the device runs N: N+1 feeds N's tokens straight from the device, and the
-blocks a step writes stay held (out of reach of a transfer that ``reserve`` might start into freed
-blocks) until it has been read back.
+prepares N+1 while the device runs N: N+1 feeds N's tokens straight from the device. Blocks freed
+meanwhile may be reused at once by later steps (the device runs them in order); only a block
+handed to a transfer must wait until the device has stopped writing it (``InFlight.wait``, which
+``Engine.reserve`` calls).
 """
 
 from __future__ import annotations
@@ -52,14 +53,17 @@ class InFlight:
     host: torch.Tensor | None  # [2, R] int32 (pinned on CUDA): token ids, log-probability bits
     event: torch.cuda.Event | None
     want_logprobs: bool
-    held: list[int]  # blocks the step writes, held until it has been read back
+
+    def wait(self) -> None:
+        """Until the device has run the step (and its copy back): none of its writes is pending."""
+        if self.event is not None:
+            self.event.synchronize()
 
     def read(self) -> tuple[list[int], list[float] | None]:
         """The sampled ids and (if any row asked) log probabilities, once the copy has landed."""
         if self.host is None:
             return [], None
-        if self.event is not None:
-            self.event.synchronize()
+        self.wait()
         tokens: list[int] = self.host[0].tolist()
         logprobs: list[float] | None = (
             self.host[1].view(torch.float32).tolist() if self.want_logprobs else None
@@ -75,39 +79,26 @@ def sampling_row(seq: Sequence) -> SamplingRow:
     return SamplingRow(p.temperature, p.top_k, p.top_p, key, p.logprobs)
 
 
-def written_blocks(batch: Batch, block_size: int) -> list[int]:
-    """The blocks whose slots the batch's new tokens go to (before ``num_cached`` advances)."""
-    blocks: list[int] = []
-    for seq, n in zip(batch.seqs, batch.q_lens, strict=True):
-        first, last = seq.num_cached // block_size, (seq.num_cached + n - 1) // block_size
-        blocks += seq.block_table[first : last + 1]
-    return blocks
-
-
 def launch(
     batch: Batch,
     runner: ModelRunner,
     *,
     hook: ChunkHook | None,
     prev_tokens: torch.Tensor | None,
-    allocator: BlockAllocator | None,
     on_failure: Callable[[Sequence], None],
 ) -> InFlight:
-    """Run ``batch`` and sample it on the device. ``allocator``: hold the written blocks (overlapped
-    scheduling). ``on_failure`` ends a sequence whose own sampling failed, at once."""
+    """Run ``batch`` and sample it on the device; ``on_failure`` ends a sequence whose own
+    sampling failed, at once."""
     chunks = batch.prefill_chunks() if hook is not None and batch.num_decodes < len(batch.seqs) else []
     layer_hook = (lambda i: hook(i, chunks)) if hook is not None and chunks else None
     sampled = [seq for seq, s in zip(batch.seqs, batch.samples(), strict=True) if s]
     sampling = [sampling_row(seq) for seq in sampled]
-    held = written_blocks(batch, runner.block_size) if allocator is not None else []
     logits = runner.run(batch, layer_hook, prev_tokens)  # [R, vocab]
     rows = [Row(seq, seq.generation) for seq in sampled]
     for seq, n in zip(batch.seqs, batch.q_lens, strict=True):
         seq.num_cached += n  # the host moves on as if the step had run
-    if allocator is not None:
-        allocator.hold(held)
     if not sampled:
-        return InFlight(rows, None, None, None, False, held)
+        return InFlight(rows, None, None, None, False)
     tokens, logprobs, errors = sample_each_device(logits, sampling)
     for i, (row, error) in enumerate(zip(rows, errors, strict=True)):
         if error is not None:
@@ -127,7 +118,7 @@ def launch(
         event.record()
     else:
         host, event = packed, None
-    return InFlight(rows, tokens, host, event, logprobs is not None, held)
+    return InFlight(rows, tokens, host, event, logprobs is not None)
 
 
 def failure_output(seq: Sequence, exc: BaseException) -> StepOutput:

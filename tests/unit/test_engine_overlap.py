@@ -4,8 +4,8 @@ The engine launches step N+1 before it reads step N back, so stop checks run a s
 request that a stop token, a stop string or EOS ends is fed once more (a wasted row, its token
 dropped). Checked: the same tokens, finish reasons and log probabilities as synchronous steps for
 many requests with content stops, length stops, seeded sampling, chunked prompts and preemption;
-no output after a request ends; aborts of a request whose row is in flight; the blocks an in-flight
-step writes stay held until it is read back; ``has_work`` until the last step is read back.
+no output after a request ends; aborts of a request whose row is in flight; a reservation (blocks
+for a transfer) waits for the step in flight; ``has_work`` until the last step is read back.
 """
 
 from __future__ import annotations
@@ -101,18 +101,36 @@ def run_to_end_tokens(engine: Engine, prompt: list[int], params: SamplingParams)
 def test_an_abort_while_its_row_is_in_flight() -> None:
     engine = tiny_engine(overlap=True, num_blocks=16)
     params = SamplingParams(max_tokens=30, ignore_eos=True)
-    engine.add_request("a", list(range(10, 22)), params)  # 12 tokens: the next token starts block 4
+    engine.add_request("a", list(range(10, 22)), params)
     engine.add_request("b", [3, 4], params)
     engine.step()
     engine.step()  # a's and b's first decodes in flight; their first tokens read back
-    used = engine.stats()["num_used_blocks"]
     engine.abort("a")
-    # a's blocks are free, except the one its in-flight row writes into: held until read back
-    assert engine.stats()["num_used_blocks"] == used - 4 + 1
+    assert engine.stats()["num_used_blocks"] == 1  # b's; a's are free at once (later steps may
+    # reuse them: the device runs steps in order)
     outputs = engine.step()
     assert {o.request_id for o in outputs} == {"b"}
     rest = run_to_end(engine)
     assert set(rest) == {"b"} and rest["b"].finished
+    assert engine.stats()["num_free_blocks"] == 16
+
+
+def test_a_reservation_waits_until_the_device_has_run_the_step_in_flight() -> None:
+    """Blocks that a transfer will write must not be written by a step still on the device."""
+    engine = tiny_engine("decode", overlap=True, num_blocks=16)
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    assert engine.reserve("a", [1, 2, 3], params) is not None
+    engine.start_decode("a", 7)
+    engine.step()
+    in_flight = engine._in_flight
+    assert in_flight is not None
+    waited = []
+    in_flight.wait = lambda: waited.append(True)  # type: ignore[method-assign]
+    assert engine.reserve("b", [4, 5], params) is not None
+    assert waited == [True]
+    engine.abort("a")
+    engine.abort("b")
+    run_to_end(engine)
     assert engine.stats()["num_free_blocks"] == 16
 
 
@@ -127,3 +145,17 @@ def test_rows_of_a_preempted_request_are_dropped_even_once_it_runs_again() -> No
     # the next step admits it again (a fresh prefill) before the first one is read back
     assert engine.step() == [] and seq.num_cached == 3
     assert run_to_end(engine)["r"].tokens == want
+
+
+def test_heavy_preemption_makes_progress_and_gives_the_synchronous_tokens() -> None:
+    """32 requests of 128 tokens each over 256 blocks of 4 (a quarter of what they need): freed
+    blocks are reusable by the next step at once, so preemption frees what it takes."""
+    outs = []
+    for overlap in (False, True):
+        engine = tiny_engine(overlap=overlap)
+        for i in range(32):
+            engine.add_request(f"r{i}", [5 + i % 50] * 64, SamplingParams(max_tokens=64, ignore_eos=True))
+        results = run_to_end(engine, max_steps=3000)
+        assert engine.stats()["num_preemptions"] > 0
+        outs.append({rid: r.tokens for rid, r in results.items()})
+    assert outs[0] == outs[1] and all(len(t) == 64 for t in outs[0].values())
