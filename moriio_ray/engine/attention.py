@@ -22,7 +22,14 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from moriio_ray.engine.attention_prefill import PrefillPlan, additive, gather_blocks, prefill_attention
+from moriio_ray.engine.attention_prefill import (
+    ExtendRow,
+    PrefillPlan,
+    additive,
+    extend_attention,
+    gather_blocks,
+    prefill_attention,
+)
 
 
 @dataclasses.dataclass
@@ -38,8 +45,12 @@ class AttnMetadata:
     q_lens: list[int] = dataclasses.field(default_factory=list)  # host copies, per row
     start_pos: list[int] = dataclasses.field(default_factory=list)  # tokens cached before the step
     # the torch path's precomputation
-    decode_tables: torch.Tensor | None = None  # [Bd, Wd] int64: the decode rows' tables
+    decode_tables: torch.Tensor | None = None  # [Bd, Wd] int64: the (batched) decode rows' tables
     decode_mask: torch.Tensor | None = None  # [Bd, 1, 1, Wd * block_size]: bool (True = attend) or 0/-inf
+    # decode rows far longer than the others attend alone (``split_decodes``): then the batched
+    # rows are ``decode_batched`` [Bd] of the first num_decodes, and the others ``decode_alone``
+    decode_batched: torch.Tensor | None = None
+    decode_alone: list[ExtendRow] = dataclasses.field(default_factory=list)
     prefill: PrefillPlan | None = None  # the prefill rows (after the decodes)
 
 
@@ -87,14 +98,30 @@ def paged_decode_attention(
 ) -> torch.Tensor:
     """One query token per sequence against its cached context, through the block table.
 
-    q [B, H, D] -> [B, H, D]. The cached blocks are gathered in one indexing op per K and V, and the
-    query heads of one KV head are treated as that head's query rows, so GQA needs no repeat.
+    q [B, H, D] -> [B, H, D]. The cached blocks are gathered in one op per K and V (padded to the
+    longest context; rows far longer than the others attend alone), and the query heads of one KV
+    head are treated as that head's query rows, so GQA needs no repeat.
     """
     assert meta.decode_tables is not None and meta.decode_mask is not None
+    if not meta.decode_alone:
+        return _batched_decode(q, k_cache, v_cache, meta.decode_tables, meta.decode_mask)
+    assert meta.decode_batched is not None
+    out = torch.empty_like(q)
+    if meta.decode_batched.numel():
+        rows = meta.decode_batched
+        out[rows] = _batched_decode(q[rows], k_cache, v_cache, meta.decode_tables, meta.decode_mask)
+    for row in meta.decode_alone:
+        out[row.start : row.end] = extend_attention(q[row.start : row.end], k_cache, v_cache, row)
+    return out
+
+
+def _batched_decode(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
-    k = gather_blocks(k_cache, meta.decode_tables).flatten(1, 2).transpose(1, 2)  # [B, Hkv, S, D]
-    v = gather_blocks(v_cache, meta.decode_tables).flatten(1, 2).transpose(1, 2)  # [B, Hkv, S, D]
+    k = gather_blocks(k_cache, tables).flatten(1, 2).transpose(1, 2)  # [B, Hkv, S, D]
+    v = gather_blocks(v_cache, tables).flatten(1, 2).transpose(1, 2)  # [B, Hkv, S, D]
     qg = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, Hkv, G, D]
-    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=meta.decode_mask)
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask)
     return out.reshape(num_seqs, num_heads, head_dim)

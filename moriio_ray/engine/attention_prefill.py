@@ -39,7 +39,8 @@ class ExtendRow:
     end: int
     blocks: torch.Tensor  # [nb] int64: the blocks of its context
     context_len: int
-    mask: torch.Tensor  # [q_len, context_len] additive: query i sees key j iff j <= its position
+    mask: torch.Tensor | None  # [q_len, context_len] additive: query i sees key j iff j <= its
+    # position (None: every key; a decode row)
 
 
 @dataclasses.dataclass
@@ -82,6 +83,24 @@ def fresh_rows(start: int, seq_lens: list[int], lens: torch.Tensor, dtype: torch
         keep = causal[None] & (ar[None, None, :] < lens[:, None, None])  # [B, L, L]
         rows.mask = additive(keep[:, None], dtype)  # [B, 1, L, L]
     return rows
+
+
+# The cost of a row's own attention call, in blocks of padded batch work (a rough CPU figure)
+WIDE_ROW_BLOCKS = 16
+
+
+def split_decodes(widths: list[int], max_wide: int = 8) -> list[int]:
+    """The decode rows (of ``widths`` blocks of context each) that attend alone: padding every row
+    to the longest context costs rows x longest, so a few rows far longer than the others (a long
+    prompt now decoding) are cheaper one by one. Empty when padding is cheapest."""
+    order = sorted(range(len(widths)), key=lambda i: -widths[i])
+    best, best_k, alone = len(widths) * widths[order[0]], 0, 0
+    for k in range(1, min(max_wide, len(widths) - 1) + 1):
+        alone += widths[order[k - 1]] + WIDE_ROW_BLOCKS
+        cost = (len(widths) - k) * widths[order[k]] + alone
+        if cost < best:
+            best, best_k = cost, k
+    return sorted(order[:best_k])
 
 
 def prefill_plan(

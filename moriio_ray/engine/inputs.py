@@ -57,7 +57,7 @@ class StepInputs:
     q_lens: list[int]
     start_pos: list[int]  # tokens cached before this step, per row
     num_decodes: int
-    decode_width: int  # table columns the decode rows use
+    decode_widths: list[int]  # blocks of context of each decode row
     from_device: bool  # some token comes from the device
 
 
@@ -94,10 +94,10 @@ def step_inputs(batch: Batch, block_size: int, pad_block: int = 0) -> StepInputs
     slot_b[:] = tables[row_of, pos // block_size]
     slot_o[:] = pos % block_size
     sample[:] = cu[1:][np.asarray(samples, bool)] - 1
-    decode_width = max((len(s.block_table) for s in seqs[:nd]), default=0)
+    decode_widths = [-(-(s + 1) // block_size) for s in starts[:nd]]
     return StepInputs(
         buf, ids, src, pos, slot_b, slot_o, cu, ctx, tables, sample,
-        list(q_lens), starts, nd, decode_width, bool(nd) and bool((src[:nd] >= 0).any()),
+        list(q_lens), starts, nd, decode_widths, bool(nd) and bool((src[:nd] >= 0).any()),
     )  # fmt: skip
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from moriio_ray.engine.attention import AttnMetadata, decode_mask
-from moriio_ray.engine.attention_prefill import prefill_plan
+from moriio_ray.engine.attention_prefill import ExtendRow, prefill_plan, split_decodes
 from moriio_ray.engine.batch import Batch
 from moriio_ray.engine.cuda_graph import DecodeGraphs
 from moriio_ray.engine.device import device_tokens, upload
@@ -67,8 +67,7 @@ class ModelRunner:
         )
         dtype = self.dtype
         if nd:
-            meta.decode_tables = tables[:nd, : host.decode_width]
-            meta.decode_mask = decode_mask(context_lens[:nd], host.decode_width * self.block_size, dtype)
+            self._plan_decodes(meta, host.decode_widths, host.start_pos, tables, context_lens)
         if nd < num_rows:
             lens = cu[nd + 1 :] - cu[nd:-1]  # [rows] the prefill rows' new tokens
             meta.prefill = prefill_plan(
@@ -77,6 +76,32 @@ class ModelRunner:
         all_rows = host.sample_index.size == num_rows == host.ids.size
         sample_index = None if all_rows else view(host.sample_index)
         return ids, view(host.positions), meta, sample_index
+
+    def _plan_decodes(
+        self,
+        meta: AttnMetadata,
+        widths: list[int],
+        start_pos: list[int],
+        tables: torch.Tensor,
+        context_lens: torch.Tensor,
+    ) -> None:
+        """The decode rows' tables and mask, padded to the longest context of those batched."""
+        nd, dtype = len(widths), self.dtype
+        alone = split_decodes(widths)
+        if not alone:
+            width = max(widths)
+            meta.decode_tables = tables[:nd, :width]
+            meta.decode_mask = decode_mask(context_lens[:nd], width * self.block_size, dtype)
+            return
+        batched = [i for i in range(nd) if i not in set(alone)]
+        width = max(widths[i] for i in batched)
+        rows = upload(np.asarray(batched, np.int64), self.device)
+        meta.decode_batched = rows
+        meta.decode_tables = tables[:, :width].index_select(0, rows)
+        meta.decode_mask = decode_mask(context_lens.index_select(0, rows), width * self.block_size, dtype)
+        meta.decode_alone = [
+            ExtendRow(i, i + 1, tables[i, : widths[i]], start_pos[i] + 1, None) for i in alone
+        ]
 
     @torch.inference_mode()
     def run(

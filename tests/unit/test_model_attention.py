@@ -14,7 +14,7 @@ from moriio_ray.config import EngineConfig
 from moriio_ray.engine import attention_prefill
 from moriio_ray.engine.arch import ModelArgs
 from moriio_ray.engine.attention import AttnMetadata, attend, paged_decode_attention, write_kv
-from moriio_ray.engine.attention_prefill import prefill_attention
+from moriio_ray.engine.attention_prefill import prefill_attention, split_decodes
 from moriio_ray.engine.batch import Batch
 from moriio_ray.engine.kv_cache import KVCache
 from moriio_ray.engine.runner import ModelRunner
@@ -124,15 +124,23 @@ def test_fresh_prompts_match_dense(lengths: list[int], masked: bool, monkeypatch
 MIXED = [(6, 1), (13, 1), (4, 7), (9, 1 + 2 * BLOCK), (0, 5), (0, 3)]
 
 
+ORDERS = {
+    "decodes_chunks_fresh": MIXED,
+    "fresh_between": [*MIXED[:2], MIXED[4], MIXED[2], MIXED[5], MIXED[3]],
+    # a decode row far longer than the others attends alone (split_decodes)
+    "long_decode": [(6, 1), (150, 1), (13, 1), (9, 1), (3, 1), *MIXED[2:]],
+}
+
+
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("layout", ["layer_major", "block_major"])
-@pytest.mark.parametrize("order", ["decodes_chunks_fresh", "fresh_between"])
+@pytest.mark.parametrize("order", list(ORDERS))
 def test_mixed_batch_matches_dense(layout: str, order: str) -> None:
     """Decode rows, continued chunks and fresh prompts in one step: each row attends over its own
     cached prefix and new tokens, causally, exactly as dense attention over its whole context."""
-    rows = MIXED if order == "decodes_chunks_fresh" else [*MIXED[:2], MIXED[4], MIXED[2], MIXED[5], MIXED[3]]
+    rows = ORDERS[order]
     gen = torch.Generator().manual_seed(5)
-    cache = _cache(layout, num_blocks=48)
+    cache = _cache(layout, num_blocks=96)
     k_cache, v_cache = cache.layers[2]
     free = torch.randperm(cache.num_blocks, generator=gen).tolist()
     seqs, history = [], []
@@ -144,8 +152,10 @@ def test_mixed_batch_matches_dense(layout: str, order: str) -> None:
         write_kv(k_cache, v_cache, hk, hv, AttnMetadata(blocks, pos % BLOCK))  # the cached prefix
         seqs.append(seq)
         history.append((hk, hv))
-    batch = Batch(seqs, [n for _, n in rows], num_decodes=2)
+    num_decodes = sum(1 for _, n in rows if n == 1)
+    batch = Batch(seqs, [n for _, n in rows], num_decodes=num_decodes)
     _ids, positions, meta, sample_index = _stub().prepare(batch)
+    assert [r.start for r in meta.decode_alone] == ([1] if order == "long_decode" else [])
     total = sum(n for _, n in rows)
     assert positions.tolist() == [p for s, n in rows for p in range(s, s + n)]
     assert sample_index is None or sample_index.numel() == len(rows)  # every row reaches its end
@@ -179,3 +189,11 @@ def test_cache_views_sit_where_the_layout_says(layout: str) -> None:
                 segment = raw[offset : offset + lay.segment_bytes].view(torch.float32)
                 assert torch.all(segment == 1000 * layer + 100 * kv + block)
     assert lay.total_bytes == cache.tensor.numel() * cache.tensor.element_size()
+
+
+def test_split_decodes_leaves_alone_only_rows_far_longer_than_the_rest() -> None:
+    assert split_decodes([10] * 16) == []
+    assert split_decodes([10, 12, 9, 257, 11]) == [3]
+    assert split_decodes([10] * 16 + [257, 300]) == [16, 17]
+    assert split_decodes([30, 40, 35]) == []
+    assert split_decodes([5]) == []
