@@ -287,7 +287,7 @@ def main() -> None:
                 layout=a.layout,
                 max_num_seqs=max_batch,
                 max_num_batched_tokens=max_batch * a.prompt_len,
-                overlap_scheduling=True if a.overlap else None,
+                **({"overlap_scheduling": True} if a.overlap else {}),  # else the engine's default
             ),
             role="colocated",
             cuda_graphs=not a.no_cuda_graphs,

@@ -269,6 +269,7 @@ def plot(scenario: str, results: dict[str, Any], title: str, path: Any, goal: fl
         axes[1].bar(range(len(names)), ratios)
         axes[1].axhline(goal, color="red", ls="--", label=f"goal {goal}")
         axes[1].set_ylabel("TPOT p99 during the prefill / p50 before")
+        axes[1].set_yscale("log")
         axes[1].legend()
     else:
         for ax, key, label in zip(
