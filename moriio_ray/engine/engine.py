@@ -257,7 +257,8 @@ class Engine:
         for i, row in enumerate(done.rows):
             seq = row.seq
             if row.error is not None:  # its sampling failed at launch, which ended it
-                outputs.append(failure_output(seq, row.error))
+                if seq.request_id not in done.aborted:
+                    outputs.append(failure_output(seq, row.error))
             elif seq.generation == row.generation and seq.state is SeqState.RUNNING:
                 seq.num_pending -= 1
                 outputs.append(self._advance(seq, tokens[i], logprobs[i] if logprobs is not None else None))
@@ -327,6 +328,8 @@ class Engine:
                 self._drop(seq)
             self.allocator.release(request_id)
             self._pending = [o for o in self._pending if o.request_id != request_id]
+            if self._in_flight is not None:
+                self._in_flight.aborted.add(request_id)
 
     def release(self, transfer_id: str) -> bool:
         """Prefill role: a peer has read the blocks of ``transfer_id``; free them. False if unknown."""

@@ -53,6 +53,7 @@ class InFlight:
     host: torch.Tensor | None  # [2, R] int32 (pinned on CUDA): token ids, log-probability bits
     event: torch.cuda.Event | None
     want_logprobs: bool
+    aborted: set[str] = dataclasses.field(default_factory=set)  # meanwhile: no output for them
 
     def wait(self) -> None:
         """Until the device has run the step (and its copy back): none of its writes is pending."""

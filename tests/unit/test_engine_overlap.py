@@ -159,3 +159,25 @@ def test_heavy_preemption_makes_progress_and_gives_the_synchronous_tokens() -> N
         assert engine.stats()["num_preemptions"] > 0
         outs.append({rid: r.tokens for rid, r in results.items()})
     assert outs[0] == outs[1] and all(len(t) == 64 for t in outs[0].values())
+
+
+def test_no_output_for_a_request_aborted_after_its_sampling_failed(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from moriio_ray.engine import sampler
+
+    real = sampler._filter
+
+    def failing(scaled, rows):  # type: ignore[no-untyped-def]
+        if any(r.top_k == 7 for r in rows):
+            raise IndexError("injected")
+        return real(scaled, rows)
+
+    monkeypatch.setattr(sampler, "_filter", failing)
+    engine = tiny_engine(overlap=True)
+    engine.add_request("bad", [5, 6, 7], SamplingParams(max_tokens=4, temperature=1.0, top_k=7, seed=1))
+    assert engine.step() == []  # launched: its sampling failed, the request ended at once
+    engine.abort("bad")  # the caller cancels before the step is read back
+    assert run_to_end(engine) == {}
+    engine.add_request("bad2", [5, 6, 7], SamplingParams(max_tokens=4, temperature=1.0, top_k=7, seed=1))
+    results = run_to_end(engine)  # not aborted: its failure comes out
+    assert results["bad2"].finished and results["bad2"].tokens == []
+    assert engine.stats()["num_free_blocks"] == engine.stats()["num_blocks"]
