@@ -137,7 +137,10 @@ def long_prompt(
         "p99_during_over_p50_before": pct(during, 99) / p50,
         "long_ttft_ms": 1e3 * (first - arrival),
         "prefill_steps": window_steps,
-        "timeline": {rid: [t - arrival for t in clock.stamps[rid] if base_start < t] for rid in ids[:1]},
+        # one running request's token times (s since the arrival), for the plot
+        "timeline": {
+            rid: [round(t - arrival, 5) for t in clock.stamps[rid] if base_start < t] for rid in ids[:1]
+        },
     }
 
 
@@ -369,6 +372,9 @@ def main(a: argparse.Namespace) -> None:
     for run in runs.values():
         run()  # warm-up, not counted
     samples = run_turns(runs, a.repeats)
+    for rs in samples.values():  # the plot draws the last run's timeline; the others are not kept
+        for r in rs[:-1]:
+            r.pop("timeline", None)
     keys = LONG_KEYS if long else LOOP_KEYS
     results = {
         name: {"overrides": dict(configs)[name], "median": medians(rs, keys), "runs": rs}
