@@ -15,15 +15,22 @@ The two systems take turns, run by run, so that a drifting host load affects bot
     python bench/engine_bench.py --preset llama-1b --device cuda --dtype bfloat16
 
 Writes bench/results/engine_<preset>_<device>_<dtype>.json and .png.
+
+``--scenario long-prompt``: --running requests decode at steady state, then a --long-prompt-len
+prompt arrives; their inter-token gaps before and while it is prefilled, unchunked against chunked
+at each of --budgets (and, with --overlap, overlapped), in one run. ``--scenario closed-loop``:
+--concurrency requests in flight of random lengths, generated tokens/s per configuration
+(``bench/engine_scenarios.py``). Each writes engine_<scenario>_<preset>_<device>_<dtype>.json, .png:
+
+    python bench/engine_bench.py --scenario long-prompt --preset tiny --threads 1
+    python bench/engine_bench.py --scenario long-prompt --device cuda --preset llama-1b --dtype bfloat16
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -36,6 +43,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, for moriio_ray
 
+
+from bench import engine_scenarios as scenarios
 from moriio_ray.config import EngineConfig, ModelConfig
 from moriio_ray.engine.arch import ModelArgs
 from moriio_ray.engine.engine import Engine
@@ -67,18 +76,25 @@ def random_prompts(batch: int, prompt_len: int, vocab: int, seed: int) -> list[l
 
 
 def engine_run(engine: Engine, batch: int, prompt_len: int, decode_steps: int, seed: int) -> dict[str, float]:
-    """One prefill step of ``batch`` prompts, then ``decode_steps`` decode steps; seconds and tokens."""
+    """One prefill step of ``batch`` prompts, then ``decode_steps`` decode steps; seconds and tokens.
+    With overlapped scheduling a step's tokens come back with the next step: the prefill phase ends
+    with the step that returns the first tokens (it launched the first decode), and the decode phase
+    ends with the step that only reads the last one back."""
     params = SamplingParams(max_tokens=decode_steps + 1, ignore_eos=True)
     for i, prompt in enumerate(random_prompts(batch, prompt_len, engine.args.vocab_size, seed)):
         engine.add_request(f"b{batch}-s{seed}-{i}", prompt, params)
-    prefill_s, outs = timed(engine.device, engine.step)
-    assert len(outs) == batch and all(len(o.new_token_ids) == 1 for o in outs), "prefill was split"
+    prefill_s, num_first = 0.0, 0
+    while num_first == 0:
+        step_s, outs = timed(engine.device, engine.step)
+        prefill_s += step_s
+        num_first = sum(len(o.new_token_ids) for o in outs)
+    assert num_first == batch, "prefill was split"
     num_decoded, decode_s = 0, 0.0
-    for _ in range(decode_steps):
+    while engine.has_work():
         step_s, outs = timed(engine.device, engine.step)
         decode_s += step_s
         num_decoded += sum(len(o.new_token_ids) for o in outs)
-    assert num_decoded == batch * decode_steps and not engine.has_work()
+    assert num_decoded == batch * decode_steps
     return {
         "prefill_s": prefill_s,
         "decode_s": decode_s,
@@ -215,6 +231,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument(
+        "--scenario", default="throughput", choices=["throughput", "long-prompt", "closed-loop"]
+    )
+    parser.add_argument("--running", type=int, default=16, help="long-prompt: requests decoding")
+    parser.add_argument("--running-prompt-len", type=int, default=128)
+    parser.add_argument("--long-prompt-len", type=int, default=4096)
+    parser.add_argument("--budgets", default="256,512", help="chunked configurations' token budgets")
+    parser.add_argument("--unchunked-budget", type=int, default=4096)
+    parser.add_argument(
+        "--overlap",
+        action="store_true",
+        help="overlapped scheduling (scenarios: each configuration both ways)",
+    )
+    parser.add_argument("--concurrency", type=int, default=16, help="closed-loop: requests in flight")
+    parser.add_argument("--num-requests", type=int, default=96)
+    parser.add_argument("--prompt-range", type=int, nargs=2, default=[32, 512])
+    parser.add_argument("--output-range", type=int, nargs=2, default=[16, 128])
+    parser.add_argument("--tag", default="", help="suffix of the result files")
     parser.add_argument("--preset", default="tiny")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -231,6 +265,9 @@ def main() -> None:
     a = parser.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)  # on a shared host, spinning OpenMP threads distort timings
+    if a.scenario != "throughput":
+        scenarios.main(a)
+        return
     batches = [int(b) for b in a.batch_sizes.split(",")]
     max_batch = max(batches)
     # blocks for the largest batch (with the warm-up's requests gone by then), plus slack
@@ -250,6 +287,7 @@ def main() -> None:
                 layout=a.layout,
                 max_num_seqs=max_batch,
                 max_num_batched_tokens=max_batch * a.prompt_len,
+                **({"overlap_scheduling": True} if a.overlap else {}),  # else the engine's default
             ),
             role="colocated",
             cuda_graphs=not a.no_cuda_graphs,
@@ -279,29 +317,11 @@ def main() -> None:
             print(f"  engine/hf: prefill {ratio['prefill_tok_s']:.2f}x, decode {ratio['decode_tok_s']:.2f}x")
         results.append(row)
         assert engine.stats()["num_used_blocks"] == 0
-    device_name = (
-        torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else platform.processor()
-    )
-    report = {
-        "benchmark": "engine_bench",
-        "args": {k: v for k, v in vars(a).items() if k != "out"},  # no machine paths in results
-        "environment": {
-            "torch": torch.__version__,
-            "device": device_name,
-            "cpu_threads": torch.get_num_threads(),
-            "python": platform.python_version(),
-            "cpu_count": os.cpu_count(),
-            "load_avg_1m_before_after": [load_before[0], os.getloadavg()[0]],
-        },
-        "engine_build_s": build_s,
-        "results": results,
-    }
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"engine_{a.preset}_{a.device}_{a.dtype}{'_eager' if a.no_cuda_graphs else ''}"
-    stem.with_suffix(".json").write_text(json.dumps(report, indent=2))
+    env = scenarios.environment(engine, load_before)
+    name = f"engine_{a.preset}_{a.device}_{a.dtype}{'_eager' if a.no_cuda_graphs else ''}"
+    stem = scenarios.write_report(a, name, env, engine_build_s=build_s, results=results)
     title = (
-        f"{a.preset} {a.dtype} on {device_name or a.device}: prompt {a.prompt_len}, "
+        f"{a.preset} {a.dtype} on {env['device'] or a.device}: prompt {a.prompt_len}, "
         f"{a.decode_steps} decode steps, median of {a.repeats}"
     )
     plot(results, title, stem.with_suffix(".png"))

@@ -120,7 +120,9 @@ class EngineConfig(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
     gpu_memory_fraction: float = 0.5
     layout: str = "layer_major"  # layer_major | block_major
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 4096
+    max_num_batched_tokens: int = 4096  # tokens per step: every running decode, then prefill chunks
+    chunked_prefill: bool = True  # False: a prompt is prefilled in one step, past the budget if need be
+    overlap_scheduling: bool | None = None  # None: on for CUDA engines, off on the CPU
     cuda_graphs: bool = True  # CUDA devices: decode steps replay graphs, captured before serving
 
     def __post_init__(self) -> None:
@@ -132,6 +134,11 @@ class EngineConfig(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
         _choice(self, "layout", LAYOUTS)
         _at_least(self, "max_num_seqs", 1)
         _at_least(self, "max_num_batched_tokens", 1)
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ConfigError(
+                f"max_num_batched_tokens: {self.max_num_batched_tokens} must be >= max_num_seqs "
+                f"({self.max_num_seqs}): every running sequence decodes one token in each step"
+            )
 
 
 # ----------------------------------------------------------------------------------------------

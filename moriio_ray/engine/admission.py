@@ -1,10 +1,13 @@
-"""What an engine checks before it takes a request, and the typed error that ends one request
-whose own sampling or stop checks raised (fault isolation: the engine serves the others on)."""
+"""What an engine checks before it takes a request, the Sequence it makes of it, and the typed
+error that ends one request whose own sampling or stop checks raised (fault isolation: the engine
+serves the others on)."""
 
 from __future__ import annotations
 
+import secrets
+
 from moriio_ray.engine.sampling import SamplingParams
-from moriio_ray.engine.sequence import blocks_for
+from moriio_ray.engine.sequence import Sequence, blocks_for
 from moriio_ray.errors import CapacityError, InvalidRequest, MoriioRayError, RequestFailed
 
 
@@ -44,6 +47,18 @@ def check_request(
             f"{cached} tokens need {need} KV blocks of {block_size} tokens; this engine has "
             f"{num_blocks}; shorten the prompt or max_tokens"
         )
+
+
+def new_sequence(
+    request_id: str, prompt: list[int], params: SamplingParams, sample_offset: int, *, prefill_only: bool
+) -> Sequence:
+    """A checked request as a Sequence. The caller's make_request draws the seed of a sampled
+    request (P and D must share it); only an engine driven directly draws one here, and greedy
+    decoding needs none."""
+    seed = params.seed if params.seed is not None else (secrets.randbits(63) if params.temperature > 0 else 0)
+    seq = Sequence(request_id, list(prompt), params, seed, prefill_only=prefill_only)
+    seq.sample_offset = sample_offset
+    return seq
 
 
 def request_error(request_id: str, exc: BaseException) -> MoriioRayError:

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from moriio_ray.engine.attention import AttnMetadata, decode_mask
+from moriio_ray.engine.device import device_tokens
 from moriio_ray.engine.inputs import DecodeInputs, fill_decode_inputs
 from moriio_ray.engine.model import CausalLM, KVPair
 from moriio_ray.engine.sequence import Sequence
@@ -56,25 +57,34 @@ class DecodeGraphs:
         self.device = device
         max_b = self.buckets[-1]
         # Every static input lives in one device buffer, staged in one pinned host buffer of the
-        # same layout: [ids | positions | slot blocks | slot offsets | tables (max_b x max_width)],
-        # so a step uploads its inputs with a single copy of the buffer's first rows.
-        self._rows = 4 * max_b
+        # same layout: [ids | src | positions | slot blocks | slot offsets | tables (max_b x
+        # max_width)], so a step uploads its inputs with a single copy of the buffer's first rows.
+        self._rows = 5 * max_b
         numel = self._rows + max_b * self.max_width
         self._static = torch.zeros(numel, dtype=torch.int64, device=device)
-        self._staging = torch.zeros(numel, dtype=torch.int64, pin_memory=device.type == "cuda")
-        self.ids, self.positions, self.slot_blocks, self.slot_offsets, self.tables = self._views(self._static)
-        ids, positions, slot_blocks, slot_offsets, tables = (v.numpy() for v in self._views(self._staging))
-        self._host = DecodeInputs(ids, positions, tables, slot_blocks, slot_offsets)
-        self._host.slot_blocks.fill(scratch_block)
-        self._host.block_tables.fill(scratch_block)
-        self._static.copy_(self._staging)
+        views = self._views(self._static)
+        self.ids, self.src, self.positions, self.slot_blocks, self.slot_offsets, self.tables = views
+        # two staging buffers, used in turn: under overlapped scheduling a step is loaded while the
+        # previous one (whose upload may still be queued) runs; the one before that has ended
+        self._stagings = [
+            torch.zeros(numel, dtype=torch.int64, pin_memory=device.type == "cuda") for _ in range(2)
+        ]
+        self._hosts = []
+        for staging in self._stagings:
+            ids, src, positions, slot_blocks, slot_offsets, tables = (v.numpy() for v in self._views(staging))
+            host = DecodeInputs(ids, src, positions, tables, slot_blocks, slot_offsets)
+            host.slot_blocks.fill(scratch_block)
+            host.block_tables.fill(scratch_block)
+            self._hosts.append(host)
+        self._static.copy_(self._stagings[0])
+        self._turn = 0
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool: Any = None  # the graphs' shared memory pool, after the first capture
         self.num_replays = 0
 
     def _views(self, buf: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        max_b = self._rows // 4
-        rows = [buf[i * max_b : (i + 1) * max_b] for i in range(4)]
+        max_b = self._rows // 5
+        rows = [buf[i * max_b : (i + 1) * max_b] for i in range(5)]
         return (*rows, buf[self._rows :].view(max_b, self.max_width))
 
     def _key(self, seqs: list[Sequence]) -> tuple[int, int] | None:
@@ -93,11 +103,14 @@ class DecodeGraphs:
 
     def _forward(self, bucket: int, width: int) -> torch.Tensor:
         positions = self.positions[:bucket]
+        tables = self.tables[:bucket, :width]
         meta = AttnMetadata(
-            is_prefill=False,
             slot_blocks=self.slot_blocks[:bucket],
             slot_offsets=self.slot_offsets[:bucket],
-            block_tables=self.tables[:bucket, :width],
+            num_decodes=bucket,
+            context_lens=positions + 1,
+            block_tables=tables,
+            decode_tables=tables,
             decode_mask=decode_mask(positions + 1, width * self.block_size),
         )
         hidden = self.model(self.ids[:bucket], positions, self.kv_layers, meta)
@@ -142,27 +155,33 @@ class DecodeGraphs:
         torch.cuda.synchronize(self.device)
         return len(self.graphs)
 
-    def _load(self, seqs: list[Sequence], bucket: int, width: int) -> None:
-        """Write the batch into the static buffers; padding rows feed token 0 into the scratch block."""
-        h, n = self._host, len(seqs)
+    def _load(
+        self, seqs: list[Sequence], bucket: int, width: int, prev_tokens: torch.Tensor | None = None
+    ) -> None:
+        """Write the batch into the static buffers; padding rows feed token 0 into the scratch block.
+        Tokens still on the device come from ``prev_tokens`` (the previous step's samples)."""
+        self._turn ^= 1
+        h, n, staging = self._hosts[self._turn], len(seqs), self._stagings[self._turn]
         tables = h.block_tables[:bucket, :width]
-        view = DecodeInputs(h.ids, h.positions, tables, h.slot_blocks, h.slot_offsets)
-        # the staging buffer is free: the previous step's upload ended before its logits were read
+        view = DecodeInputs(h.ids, h.src, h.positions, tables, h.slot_blocks, h.slot_offsets)
         fill_decode_inputs(seqs, self.block_size, view, pad_block=self.scratch_block)
+        from_device = bool((h.src[:n] >= 0).any())
         h.ids[n:bucket] = 0
         h.positions[n:bucket] = 0
         h.slot_blocks[n:bucket] = self.scratch_block
         h.slot_offsets[n:bucket] = 0
         tables[n:bucket] = self.scratch_block
         used = self._rows + bucket * self.max_width
-        self._static[:used].copy_(self._staging[:used], non_blocking=True)
+        self._static[:used].copy_(staging[:used], non_blocking=True)
+        if from_device:
+            self.ids[:n] = device_tokens(self.ids[:n], self.src[:n], prev_tokens)
 
-    def run(self, seqs: list[Sequence]) -> torch.Tensor | None:
+    def run(self, seqs: list[Sequence], prev_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
         """Logits [len(seqs), vocab] from a graph replay, or None when this batch must run eagerly."""
         key = self._key(seqs)
         if key is None:
             return None
-        self._load(seqs, *key)
+        self._load(seqs, *key, prev_tokens)
         entry = self.graphs.get(key)
         if entry is None:
             entry = self.graphs[key] = self._capture(*key)

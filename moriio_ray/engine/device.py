@@ -1,7 +1,9 @@
-"""Device and dtype resolution for the engine (``auto`` means CUDA + bfloat16 when a GPU is visible)."""
+"""Device and dtype resolution for the engine (``auto`` means CUDA + bfloat16 when a GPU is visible),
+and the host-to-device moves of step inputs."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from moriio_ray.errors import ConfigError
@@ -35,3 +37,19 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 def dtype_name(dtype: torch.dtype) -> str:
     """The KVLayout name of a torch dtype (``torch.bfloat16`` -> ``"bfloat16"``)."""
     return str(dtype).removeprefix("torch.")
+
+
+def upload(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """``array`` on ``device`` without a host synchronisation (through pinned memory on CUDA, which
+    the caching host allocator keeps until the copy has run; on the CPU the array itself, uncopied)."""
+    host = torch.from_numpy(array)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def device_tokens(ids: torch.Tensor, src: torch.Tensor, prev_tokens: torch.Tensor | None) -> torch.Tensor:
+    """ids [N] with entry i replaced by prev_tokens[src[i]] where src[i] >= 0 (on the device: the
+    previous step's samples feed the next step without a trip through the host)."""
+    assert prev_tokens is not None, "a token from the device, but no previous step's tokens"
+    return torch.where(src >= 0, prev_tokens[src.clamp(min=0)], ids)

@@ -7,6 +7,11 @@
   ``start_decode`` then joins the request to continuous batching after its first token, which the
   prefill engine sampled and its caller already has: a decode engine emits only the tokens it samples.
 
+A step runs every running decode and prefill chunks up to ``max_num_batched_tokens`` (``scheduler``),
+so a long prompt spans several steps while the running requests go on decoding. With overlapped
+scheduling (``engine.overlap_scheduling``) ``step`` launches the next step before it reads the
+previous one back: its outputs lag one step, with exactly the tokens of synchronous steps.
+
 Every public method holds one lock, so a runtime may drive ``step`` from a worker thread while
 another thread calls ``release`` or ``abort``.
 
@@ -22,7 +27,6 @@ out of memory) escapes ``step``: the engine itself has failed.
 from __future__ import annotations
 
 import logging
-import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -31,14 +35,15 @@ from typing import TYPE_CHECKING
 import torch
 
 from moriio_ray.config import EngineConfig, ModelConfig
-from moriio_ray.engine.admission import check_request, request_error
+from moriio_ray.engine.admission import check_request, new_sequence, request_error
+from moriio_ray.engine.batch import PrefillChunk
 from moriio_ray.engine.block_allocator import BlockAllocator
-from moriio_ray.engine.outputs import PrefillResult, StepOutput
+from moriio_ray.engine.outputs import StepOutput
 from moriio_ray.engine.rank import build_rank
-from moriio_ray.engine.sampler import SamplingRow, row_key, sample_each
 from moriio_ray.engine.sampling import SamplingParams
 from moriio_ray.engine.scheduler import Scheduler
 from moriio_ray.engine.sequence import SeqState, Sequence, blocks_for
+from moriio_ray.engine.stepping import InFlight, failure_output, launch, prefill_result
 from moriio_ray.engine.stopping import check_stop
 from moriio_ray.engine.tokenizer import load_tokenizer
 from moriio_ray.engine.tp import SINGLE, TPGroup
@@ -51,7 +56,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 ROLES = ("prefill", "decode", "colocated")
-LayerHook = Callable[[int, list[str]], None]
+LayerHook = Callable[[int, list[PrefillChunk]], None]
 
 
 class Engine:
@@ -88,8 +93,13 @@ class Engine:
         self.block_size = engine.block_size
         self.allocator = BlockAllocator(parts.num_blocks)
         self.scheduler = Scheduler(
-            self.allocator, engine.block_size, engine.max_num_seqs, engine.max_num_batched_tokens
-        )
+            self.allocator, engine.block_size, engine.max_num_seqs, engine.max_num_batched_tokens,
+            self.max_model_len, engine.chunked_prefill,
+        )  # fmt: skip
+        overlap = engine.overlap_scheduling
+        # overlapped steps feed sampled tokens from the device, which a follower rank cannot see
+        self.overlap = (self.device.type == "cuda" if overlap is None else overlap) and tp.size == 1
+        self._in_flight: InFlight | None = None  # overlap: the launched step not yet read back
         self.graphs = parts.graphs
         self.runner = parts.runner
         self.tp = tp
@@ -119,15 +129,7 @@ class Engine:
     def _new_seq(
         self, request_id: str, prompt: list[int], params: SamplingParams, sample_offset: int
     ) -> Sequence:
-        # The caller's make_request draws the seed of a sampled request (P and D must share it);
-        # only an engine driven directly draws one here, and greedy decoding needs none.
-        seed = (
-            params.seed
-            if params.seed is not None
-            else (secrets.randbits(63) if params.temperature > 0 else 0)
-        )
-        seq = Sequence(request_id, list(prompt), params, seed, prefill_only=self.role == "prefill")
-        seq.sample_offset = sample_offset
+        seq = new_sequence(request_id, prompt, params, sample_offset, prefill_only=self.role == "prefill")
         self._seqs[request_id] = seq
         return seq
 
@@ -161,7 +163,8 @@ class Engine:
         *,
         sample_offset: int = 0,
     ) -> list[int] | None:
-        """Decode role: blocks for a prompt whose KV a transfer writes in; None if short right now."""
+        """Decode role: blocks for a prompt whose KV a transfer writes in; None if short right now.
+        With a step in flight (overlapped scheduling) it first waits until the device has run it."""
         with self._lock:
             if self.role == "prefill":
                 raise InvalidRequest("reserve: a prefill engine takes no injected KV; use a decode engine")
@@ -169,6 +172,8 @@ class Engine:
             need = blocks_for(len(prompt_token_ids), self.block_size)
             if not self.allocator.can_allocate(need):
                 return None
+            if self._in_flight is not None:  # a freed block may still be written by the device
+                self._in_flight.wait()
             seq = self._new_seq(request_id, prompt_token_ids, params, sample_offset)
             seq.state = SeqState.RESERVED
             seq.block_table = self.allocator.allocate(need)
@@ -193,7 +198,8 @@ class Engine:
 
     def recompute_reserved(self, request_id: str, first_token: int) -> None:
         """Decode role, the transfer failed: compute the prompt and ``first_token`` into the reserved
-        blocks here (one prefill), then decode on; as with ``start_decode``, nothing is re-emitted."""
+        blocks here (chunked like any prefill), then decode on; as with ``start_decode``, nothing is
+        re-emitted."""
         with self._lock:
             seq = self._join(request_id, first_token)
             seq.num_cached = 0  # the next prefill feeds prompt + first token and samples the second
@@ -225,39 +231,43 @@ class Engine:
     # -- the step loop --------------------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:
-        """Run one scheduled batch (prefill or decode) and return the new tokens of its requests."""
+        """Run one step: every running decode and prefill chunks up to the token budget. Returns
+        the outputs of this step, or (overlapped scheduling) of the step before, which the host
+        reads back while the device runs this one."""
         with self._lock:
             outputs, self._pending = self._pending, []
             batch = self.scheduler.schedule()
-            if batch is None:
-                return outputs
-            if self._steps is not None:
-                self._steps.send(encode_batch(batch))  # the other ranks run the same batch
-            hook = self._layer_hook
-            ids = [seq.request_id for seq in batch.seqs]
-            layer_hook = (lambda i: hook(i, ids)) if hook is not None and batch.is_prefill else None
-            logits = self.runner.run(batch, layer_hook)
-            rows = [
-                SamplingRow(
-                    seq.params.temperature,
-                    seq.params.top_k,
-                    seq.params.top_p,
-                    row_key(seq.seed, seq.sample_offset + len(seq.output_ids))
-                    if seq.params.temperature > 0
-                    else 0,
-                    seq.params.logprobs,
+            launched = None
+            if batch is not None:
+                if self._steps is not None:
+                    self._steps.send(encode_batch(batch))  # the other ranks run the same batch
+                prev = self._in_flight.tokens if self._in_flight is not None else None
+                launched = launch(
+                    batch, self.runner, hook=self._layer_hook, prev_tokens=prev, on_failure=self._drop
                 )
-                for seq in batch.seqs
-            ]
-            tokens, logprobs, errors = sample_each(logits, rows)
-            for seq, token, logprob, error in zip(batch.seqs, tokens, logprobs, errors, strict=True):
-                out = self._advance(seq, token, logprob) if error is None else self._fail(seq, error)
-                outputs.append(out)
+            done, self._in_flight = (self._in_flight, launched) if self.overlap else (launched, None)
+            if done is not None:
+                outputs += self._read_back(done)
             return outputs
 
+    def _read_back(self, done: InFlight) -> list[StepOutput]:
+        """The outputs of a launched step: its tokens appended, stop checks, finished requests."""
+        tokens, logprobs = done.read()
+        outputs = []
+        for i, row in enumerate(done.rows):
+            seq = row.seq
+            if row.error is not None:  # its sampling failed at launch, which ended it
+                if seq.request_id not in done.aborted:
+                    outputs.append(failure_output(seq, row.error))
+            elif seq.generation == row.generation and seq.state is SeqState.RUNNING:
+                seq.num_pending -= 1
+                outputs.append(self._advance(seq, tokens[i], logprobs[i] if logprobs is not None else None))
+            # else: preempted (it samples this token again), aborted, or finished by an earlier token
+        return outputs
+
     def _advance(self, seq: Sequence, token: int, logprob: float | None) -> StepOutput:
-        seq.num_cached = seq.num_tokens
         seq.output_ids.append(token)
+        logprob = logprob if seq.params.logprobs else None
         try:
             reason = check_stop(seq, self.tokenizer, self.max_model_len)
         except Exception as exc:  # this request's stop rule failed: end it alone
@@ -271,7 +281,10 @@ class Engine:
         )
         if seq.prefill_only:
             # a first token that already ends the request leaves nothing for a peer to read
-            out.prefill = self._prefill_result(seq, token, logprob, lease=reason is None)
+            lease_s = self.lease_s if seq.lease_s is None else seq.lease_s
+            out.prefill = prefill_result(
+                self.allocator, seq, self.block_size, token, logprob, lease_s, reason
+            )
             out.finished = True
         if out.finished:
             self.scheduler.finish(seq)
@@ -280,34 +293,8 @@ class Engine:
 
     def _fail(self, seq: Sequence, exc: BaseException) -> StepOutput:
         """End one request that faulted inside ``step`` with a typed error; free its blocks."""
-        log.warning("request %s failed in the engine: %r", seq.request_id, exc, exc_info=exc)
         self._drop(seq)
-        error = request_error(seq.request_id, exc)
-        return StepOutput(
-            request_id=seq.request_id,
-            new_token_ids=[],
-            finished=True,
-            error=(type(error).__name__, str(error)),
-        )
-
-    def _prefill_result(
-        self, seq: Sequence, first_token: int, first_logprob: float | None, *, lease: bool
-    ) -> PrefillResult:
-        block_ids: list[int] = []
-        deadline_unix = 0.0
-        if lease:
-            lease_s = seq.lease_s if seq.lease_s is not None else self.lease_s
-            block_ids = seq.block_table[: blocks_for(seq.num_prompt_tokens, self.block_size)]
-            now_s, now_unix = time.monotonic(), time.time()
-            self.allocator.lease(seq.request_id, block_ids, now_s + lease_s)
-            deadline_unix = now_unix + lease_s
-        return PrefillResult(
-            block_ids=list(block_ids),
-            num_tokens=seq.num_prompt_tokens,
-            first_token=first_token,
-            lease_deadline_unix=deadline_unix,
-            first_logprob=first_logprob,
-        )
+        return failure_output(seq, exc)
 
     @property
     def lock(self) -> threading.RLock:
@@ -315,13 +302,14 @@ class Engine:
         return self._lock
 
     def has_work(self) -> bool:
-        """Whether ``step`` has anything to do: outputs to hand out, or a batch to run.
+        """Whether ``step`` has anything to do: outputs to hand out, a step to read back, or a
+        batch to run.
 
         False while the only queued prompts wait for blocks that leases hold: a ``release``, an
         ``abort`` or ``sweep_leases`` is what frees them, so a driver can sleep until one of those.
         """
         with self._lock:
-            return bool(self._pending) or self.scheduler.can_schedule()
+            return bool(self._pending) or self._in_flight is not None or self.scheduler.can_schedule()
 
     # -- freeing --------------------------------------------------------------------------------
 
@@ -340,6 +328,8 @@ class Engine:
                 self._drop(seq)
             self.allocator.release(request_id)
             self._pending = [o for o in self._pending if o.request_id != request_id]
+            if self._in_flight is not None:
+                self._in_flight.aborted.add(request_id)
 
     def release(self, transfer_id: str) -> bool:
         """Prefill role: a peer has read the blocks of ``transfer_id``; free them. False if unknown."""
@@ -369,8 +359,9 @@ class Engine:
             }
 
     def set_layer_hook(self, hook: LayerHook | None) -> None:
-        """Call ``hook(layer, request_ids)`` in each prefill forward right after that layer's K/V are
-        written (queued on the device: on CUDA the engine does not synchronise; record an event)."""
+        """Call ``hook(layer, chunks)`` in each step that prefills, right after that layer's K/V are
+        written (queued on the device: on CUDA the engine does not synchronise; record an event).
+        ``chunks``: a ``PrefillChunk`` per prefill row, the prompt tokens that step computed."""
         with self._lock:
             self._layer_hook = hook
 
@@ -396,6 +387,9 @@ class Engine:
         """Deregister the KV cache from the agent (the agent is the caller's to close); the other
         ranks of a tensor-parallel engine leave their loops."""
         with self._lock:
+            if self._in_flight is not None:
+                self._read_back(self._in_flight)
+                self._in_flight = None
             if self._steps is not None:
                 self._steps.send(StepMsg(Kind.STOP))
                 self._steps = None

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moriio_ray.engine.arch import ModelArgs
-from moriio_ray.engine.attention import AttnMetadata, paged_decode_attention, prefill_attention, write_kv
+from moriio_ray.engine.attention import AttnMetadata, attend, write_kv
 from moriio_ray.engine.layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary
 from moriio_ray.engine.tp import SINGLE, TPGroup, row_linear
 
@@ -55,10 +55,7 @@ class Attention(nn.Module):
         qk = apply_rotary(qk, *rotary)  # q and k rotated together: half the kernel launches
         q, k = qk[:, :heads], qk[:, heads:]  # [T, H, D], [T, Hkv, D]
         write_kv(kv[0], kv[1], k, v, meta)
-        if meta.is_prefill:
-            out = prefill_attention(q, k, v, meta)
-        else:
-            out = paged_decode_attention(q, kv[0], kv[1], meta)
+        out = attend(q, k, v, kv[0], kv[1], meta)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
@@ -96,7 +93,7 @@ class DecoderModel(nn.Module):
 class CausalLM(nn.Module):
     """A decoder-only LM over a paged KV cache.
 
-    ``forward`` runs the packed new tokens of a batch (prefill or decode, as ``meta`` says) and
+    ``forward`` runs the packed new tokens of a batch (decodes and prefill chunks, as ``meta`` says) and
     returns their final hidden states; ``compute_logits`` turns selected rows into float32 logits.
     Under tensor parallelism ``args`` is one rank's share (``tp.shard_args``) and the LM head is
     replicated, so every rank could compute full logits (only rank 0 samples).

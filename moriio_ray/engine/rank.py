@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from moriio_ray.config import EngineConfig, ModelConfig
+from moriio_ray.engine.batch import PrefillChunk
 from moriio_ray.engine.cuda_graph import DecodeGraphs
 from moriio_ray.engine.device import resolve_device, resolve_dtype
 from moriio_ray.engine.kv_cache import KVCache
@@ -34,7 +35,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-LayerHook = Callable[[int, list[str]], None]
+LayerHook = Callable[[int, list[PrefillChunk]], None]
 
 
 @dataclasses.dataclass
@@ -122,7 +123,7 @@ class RankEngine:
         self._prompt_blocks: dict[str, list[int]] = {}
 
     def set_layer_hook(self, hook: LayerHook | None) -> None:
-        """As ``Engine.set_layer_hook``: ``hook(layer, request_ids)`` in each prefill forward."""
+        """As ``Engine.set_layer_hook``: ``hook(layer, chunks)`` in each step that prefills."""
         self._layer_hook = hook
 
     def prefill_blocks(self, request_id: str) -> list[int]:
@@ -147,12 +148,14 @@ class RankEngine:
         batch = decode_batch(msg)
         hook = self._layer_hook
         layer_hook = None
-        if batch.is_prefill and hook is not None:
-            ids = msg.request_ids
+        chunks = msg.chunks
+        if chunks and hook is not None:
+            tables = msg.tables[msg.num_decodes :]
             self._prompt_blocks = {
-                s.request_id: s.block_table[: blocks_for(s.num_tokens, self.block_size)] for s in batch.seqs
+                c.request_id: table[: blocks_for(c.num_prompt_tokens, self.block_size)]
+                for c, table in zip(chunks, tables, strict=True)
             }
-            layer_hook = lambda i: hook(i, ids)
+            layer_hook = lambda i: hook(i, chunks)
         self.parts.runner.run(batch, layer_hook)
         self._prompt_blocks = {}
         self.num_steps += 1

@@ -1,5 +1,6 @@
 """ModelRunner: turns a scheduled Batch into model inputs (ids, positions, slot mapping, block
-tables), runs the forward pass over the paged cache and returns one row of logits per sequence."""
+tables, uploaded in one copy), runs the forward pass over the paged cache and returns one row of
+logits per sampling row."""
 
 from __future__ import annotations
 
@@ -9,15 +10,13 @@ import numpy as np
 import torch
 
 from moriio_ray.engine.attention import AttnMetadata, decode_mask
+from moriio_ray.engine.attention_prefill import ExtendRow, prefill_plan, split_decodes
+from moriio_ray.engine.batch import Batch
 from moriio_ray.engine.cuda_graph import DecodeGraphs
-from moriio_ray.engine.inputs import decode_inputs
+from moriio_ray.engine.device import device_tokens, upload
+from moriio_ray.engine.inputs import step_inputs
 from moriio_ray.engine.kv_cache import KVCache
 from moriio_ray.engine.model import CausalLM
-from moriio_ray.engine.scheduler import Batch
-from moriio_ray.engine.sequence import Sequence
-
-# Above this many mask elements a mixed-length prefill runs one SDPA call per sequence instead.
-MAX_PREFILL_MASK_ELEMS = 1 << 24
 
 
 class ModelRunner:
@@ -36,67 +35,93 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.device = device
         self.block_size = kv_cache.layout.block_size
+        self.dtype = model.model.embed_tokens.weight.dtype
         self.graphs = graphs
 
-    def _tensor(self, array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(array).to(self.device, non_blocking=True)
+    def prepare(
+        self, batch: Batch, prev_tokens: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, AttnMetadata, torch.Tensor | None]:
+        """(ids [T], positions [T], metadata, index [R] of the tokens that sample or None for all)."""
+        host = step_inputs(batch, self.block_size)
+        dev = upload(host.buffer, self.device)
+        base = host.buffer.ctypes.data
 
-    def _slots(self, block_tables: list[list[int]], positions: list[np.ndarray]) -> tuple[np.ndarray, ...]:
-        """(block, offset) of every new token, from each sequence's block table and positions."""
-        blocks = [
-            np.asarray(bt, dtype=np.int64)[pos // self.block_size]
-            for bt, pos in zip(block_tables, positions, strict=True)
-        ]
-        return np.concatenate(blocks), np.concatenate(positions) % self.block_size
+        def view(a: np.ndarray) -> torch.Tensor:
+            offset = (a.ctypes.data - base) // a.itemsize if a.size else 0
+            return dev[offset : offset + a.size].view(a.shape)
 
-    def prepare_prefill(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, AttnMetadata]:
-        """Inputs for a prefill of every sequence's tokens from position 0."""
-        seq_lens = [seq.num_tokens for seq in seqs]
-        ids = np.concatenate([np.asarray(seq.token_ids(), dtype=np.int64) for seq in seqs])
-        positions = [np.arange(n, dtype=np.int64) for n in seq_lens]
-        blocks, offsets = self._slots([seq.block_table for seq in seqs], positions)
-        slot_blocks, slot_offsets = self._tensor(blocks), self._tensor(offsets)
-        meta = AttnMetadata(True, slot_blocks, slot_offsets, seq_lens=seq_lens)
-        max_len = meta.max_len
-        if not meta.uniform and len(seqs) * max_len * max_len <= MAX_PREFILL_MASK_ELEMS:
-            pad = np.concatenate([b * max_len + np.arange(n) for b, n in enumerate(seq_lens)])
-            lens = torch.tensor(seq_lens, device=self.device)
-            ar = torch.arange(max_len, device=self.device)
-            causal = ar[None, :] <= ar[:, None]  # [L, L]: query i sees keys j <= i
-            mask = causal[None] & (ar[None, None, :] < lens[:, None, None])  # [B, L, L]
-            meta.pad_index, meta.prefill_mask = self._tensor(pad), mask[:, None]
-        return self._tensor(ids), self._tensor(np.concatenate(positions)), meta
-
-    def prepare_decode(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, AttnMetadata]:
-        """Inputs for one token per sequence: the last token, at position ``num_cached``."""
-        host = decode_inputs(seqs, self.block_size)
-        positions = self._tensor(host.positions)
+        ids = view(host.ids)
+        if host.from_device:
+            ids = device_tokens(ids, view(host.src), prev_tokens)
+        cu, tables, context_lens = view(host.cu_seqlens_q), view(host.block_tables), view(host.context_lens)
+        nd, num_rows = host.num_decodes, len(host.q_lens)
         meta = AttnMetadata(
-            is_prefill=False,
-            slot_blocks=self._tensor(host.slot_blocks),
-            slot_offsets=self._tensor(host.slot_offsets),
-            block_tables=self._tensor(host.block_tables),
-            decode_mask=decode_mask(positions + 1, host.block_tables.shape[1] * self.block_size),
+            slot_blocks=view(host.slot_blocks),
+            slot_offsets=view(host.slot_offsets),
+            num_decodes=nd,
+            context_lens=context_lens,
+            block_tables=tables,
+            cu_seqlens_q=cu,
+            q_lens=host.q_lens,
+            start_pos=host.start_pos,
         )
-        return self._tensor(host.ids), positions, meta
+        dtype = self.dtype
+        if nd:
+            self._plan_decodes(meta, host.decode_widths, host.start_pos, tables, context_lens)
+        if nd < num_rows:
+            lens = cu[nd + 1 :] - cu[nd:-1]  # [rows] the prefill rows' new tokens
+            meta.prefill = prefill_plan(
+                host.q_lens[nd:], host.start_pos[nd:], lens, tables[nd:], self.block_size, dtype
+            )
+        all_rows = host.sample_index.size == num_rows == host.ids.size
+        sample_index = None if all_rows else view(host.sample_index)
+        return ids, view(host.positions), meta, sample_index
+
+    def _plan_decodes(
+        self,
+        meta: AttnMetadata,
+        widths: list[int],
+        start_pos: list[int],
+        tables: torch.Tensor,
+        context_lens: torch.Tensor,
+    ) -> None:
+        """The decode rows' tables and mask, padded to the longest context of those batched."""
+        nd, dtype = len(widths), self.dtype
+        alone = split_decodes(widths)
+        if not alone:
+            width = max(widths)
+            meta.decode_tables = tables[:nd, :width]
+            meta.decode_mask = decode_mask(context_lens[:nd], width * self.block_size, dtype)
+            return
+        batched = [i for i in range(nd) if i not in set(alone)]
+        width = max(widths[i] for i in batched)
+        rows = upload(np.asarray(batched, np.int64), self.device)
+        meta.decode_batched = rows
+        meta.decode_tables = tables[:, :width].index_select(0, rows)
+        meta.decode_mask = decode_mask(context_lens.index_select(0, rows), width * self.block_size, dtype)
+        meta.decode_alone = [
+            ExtendRow(i, i + 1, tables[i, : widths[i]], start_pos[i] + 1, None) for i in alone
+        ]
 
     @torch.inference_mode()
-    def run(self, batch: Batch, layer_hook: Callable[[int], None] | None = None) -> torch.Tensor:
-        """Logits [B, vocab] (float32) for the next token of each sequence in the batch (without
-        ``with_logits``: whatever the forward pass left, for a rank that only keeps its KV)."""
-        if not batch.is_prefill and self.graphs is not None:
-            logits = self.graphs.run(batch.seqs)
+    def run(
+        self,
+        batch: Batch,
+        layer_hook: Callable[[int], None] | None = None,
+        prev_tokens: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits [R, vocab] (float32) for the next token of each row that samples, in row order
+        (without ``with_logits``: whatever the forward pass left, for a rank that only keeps its
+        KV). ``prev_tokens``: the previous step's sampled tokens, which rows fed from the device
+        read."""
+        if batch.is_decode and self.graphs is not None:
+            logits = self.graphs.run(batch.seqs, prev_tokens)
             if logits is not None:
                 return logits
-        if batch.is_prefill:
-            ids, positions, meta = self.prepare_prefill(batch.seqs)
-        else:
-            ids, positions, meta = self.prepare_decode(batch.seqs)
-            layer_hook = None  # the hook reports prefill KV only
+        ids, positions, meta, sample_index = self.prepare(batch, prev_tokens)
         hidden = self.model(ids, positions, self.kv_cache.layers, meta, layer_hook)
         if not self.with_logits:
             return hidden
-        if batch.is_prefill:
-            last = self._tensor(np.cumsum(meta.seq_lens) - 1)
-            hidden = hidden[last]
+        if sample_index is not None:
+            hidden = hidden[sample_index]
         return self.model.compute_logits(hidden)

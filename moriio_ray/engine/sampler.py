@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import torch
+
+from moriio_ray.engine.device import upload
 
 _M32 = 0xFFFF_FFFF
 _M64 = 0xFFFF_FFFF_FFFF_FFFF
@@ -38,10 +41,20 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return (x >> 16) ^ x
 
 
+def _on(
+    device: torch.device, values: list[int] | list[float] | list[bool], dtype: torch.dtype
+) -> torch.Tensor:
+    """A small host list as a device tensor, without a host synchronisation (see ``upload``)."""
+    return upload(np.asarray(values, dtype=_NP[dtype]), device)
+
+
+_NP = {torch.int64: np.int64, torch.float32: np.float32, torch.bool: np.bool_}
+
+
 def uniform_noise(keys: list[int], vocab_size: int, device: torch.device) -> torch.Tensor:
     """[B, vocab] float32 uniforms in (0, 1), a pure function of each row's key and the token id."""
-    lo = torch.tensor([k & _M32 for k in keys], dtype=torch.int64, device=device)[:, None]
-    hi = torch.tensor([k >> 32 for k in keys], dtype=torch.int64, device=device)[:, None]
+    lo = _on(device, [k & _M32 for k in keys], torch.int64)[:, None]
+    hi = _on(device, [k >> 32 for k in keys], torch.int64)[:, None]
     ids = torch.arange(vocab_size, dtype=torch.int64, device=device)[None, :]
     x = _mix32((lo + ids * 0x9E3779B1) & _M32)
     x = _mix32(x ^ hi)
@@ -61,11 +74,11 @@ class SamplingRow:
 
 def _filter(scaled: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """Mask everything outside each row's top-k, then outside its top-p nucleus, to -inf."""
-    vocab = scaled.shape[1]
-    top_k = torch.tensor([min(r.top_k, vocab) if r.top_k > 0 else vocab for r in rows], device=scaled.device)
-    top_p = torch.tensor([r.top_p for r in rows], dtype=torch.float32, device=scaled.device)
+    vocab, device = scaled.shape[1], scaled.device
+    top_k = _on(device, [min(r.top_k, vocab) if r.top_k > 0 else vocab for r in rows], torch.int64)
+    top_p = _on(device, [r.top_p for r in rows], torch.float32)
     values, order = scaled.sort(dim=-1, descending=True, stable=True)  # [B, V]
-    ranks = torch.arange(vocab, device=scaled.device)[None, :]
+    ranks = torch.arange(vocab, device=device)[None, :]
     values = values.masked_fill(ranks >= top_k[:, None], float("-inf"))
     probs = values.softmax(dim=-1)
     # drop a token when the tokens ranked above it already hold top_p of the mass (keeps rank 0)
@@ -73,56 +86,74 @@ def _filter(scaled: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     return torch.full_like(scaled, float("-inf")).scatter(1, order, values)
 
 
-def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[float | None]]:
-    """Sampled token ids and (where asked for) their raw log probabilities, for logits [B, V] float32."""
+def sample_device(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Sampled token ids [B] int64 and, when a row asks for them, the raw log probabilities [B]
+    float32 of the sampled tokens, for logits [B, V] float32; on the device, without a host sync."""
     greedy = logits.argmax(dim=-1)  # [B]
     tokens = greedy
+    device = logits.device
     if any(_random(r) for r in rows):
-        temps = torch.tensor(
-            [r.temperature if _random(r) else 1.0 for r in rows], dtype=torch.float32, device=logits.device
-        )
+        temps = _on(device, [r.temperature if _random(r) else 1.0 for r in rows], torch.float32)
         scaled = logits / temps[:, None]
         if any(r.top_k > 0 or r.top_p < 1.0 for r in rows):
             scaled = _filter(scaled, rows)
-        noise = -torch.log(uniform_noise([r.key for r in rows], logits.shape[1], logits.device))  # Exp(1)
+        noise = -torch.log(uniform_noise([r.key for r in rows], logits.shape[1], device))  # Exp(1)
         sampled = (scaled.softmax(dim=-1) / noise).argmax(dim=-1)
-        is_greedy = torch.tensor([not _random(r) for r in rows], device=logits.device)
+        is_greedy = _on(device, [not _random(r) for r in rows], torch.bool)
         tokens = torch.where(is_greedy, greedy, sampled)
-    token_list: list[int] = tokens.tolist()
-    logprobs: list[float | None] = [None] * len(rows)
-    wanted = [i for i, r in enumerate(rows) if r.want_logprob]
-    if wanted:
-        idx = torch.tensor(wanted, device=logits.device)
-        lp = logits[idx].log_softmax(dim=-1).gather(1, tokens[idx][:, None]).squeeze(1).tolist()
-        for i, value in zip(wanted, lp, strict=True):
-            logprobs[i] = value
-    return token_list, logprobs
+    logprobs = None
+    if any(r.want_logprob for r in rows):
+        logprobs = logits.log_softmax(dim=-1).gather(1, tokens[:, None]).squeeze(1)  # [B]
+    return tokens, logprobs
 
 
 def _random(row: SamplingRow) -> bool:
     return row.temperature >= MIN_TEMPERATURE
 
 
-def sample_each(
+def sample_each_device(
     logits: torch.Tensor, rows: list[SamplingRow]
-) -> tuple[list[int], list[float | None], list[BaseException | None]]:
-    """``sample``, isolating rows: if the batch fails, each row is sampled alone (a row's token
-    does not depend on the batch), and only the rows that fail alone get an error (token -1)."""
+) -> tuple[torch.Tensor, torch.Tensor | None, list[BaseException | None]]:
+    """``sample_device``, isolating rows: if the batch fails, each row is sampled alone (a row's
+    token does not depend on the batch), and only the rows that fail alone get an error (token -1)."""
     try:
-        batch_tokens, batch_logprobs = sample(logits, rows)
-        return batch_tokens, batch_logprobs, [None] * len(rows)
+        tokens, logprobs = sample_device(logits, rows)
+        return tokens, logprobs, [None] * len(rows)
     except Exception:
         pass
-    tokens: list[int] = []
-    logprobs: list[float | None] = []
+    token_rows: list[torch.Tensor] = []
+    logprob_rows: list[torch.Tensor] = []
     errors: list[BaseException | None] = []
+    failed = torch.full((1,), -1, dtype=torch.int64, device=logits.device)
+    nan = torch.full((1,), float("nan"), device=logits.device)
     for i, row in enumerate(rows):
         error: BaseException | None = None
         try:
-            (token,), (logprob,) = sample(logits[i : i + 1], [row])
+            token, logprob = sample_device(logits[i : i + 1], [row])
         except Exception as exc:
-            token, logprob, error = -1, None, exc
-        tokens.append(token)
-        logprobs.append(logprob)
+            token, logprob, error = failed, None, exc
+        token_rows.append(token)
+        logprob_rows.append(logprob if logprob is not None else nan)
         errors.append(error)
-    return tokens, logprobs, errors
+    want = any(r.want_logprob for r in rows)
+    return torch.cat(token_rows), torch.cat(logprob_rows) if want else None, errors
+
+
+def _on_host(
+    rows: list[SamplingRow], tokens: torch.Tensor, logprobs: torch.Tensor | None
+) -> tuple[list[int], list[float | None]]:
+    lps = logprobs.tolist() if logprobs is not None else [None] * len(rows)
+    return tokens.tolist(), [lp if r.want_logprob else None for r, lp in zip(rows, lps, strict=True)]
+
+
+def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[float | None]]:
+    """``sample_device``, read back: token ids and (where asked for) their log probabilities."""
+    return _on_host(rows, *sample_device(logits, rows))
+
+
+def sample_each(
+    logits: torch.Tensor, rows: list[SamplingRow]
+) -> tuple[list[int], list[float | None], list[BaseException | None]]:
+    """``sample_each_device``, read back."""
+    tokens, logprobs, errors = sample_each_device(logits, rows)
+    return (*_on_host(rows, tokens, logprobs), errors)

@@ -1,40 +1,47 @@
-"""Continuous batching: each step is either a prefill batch or a decode batch.
+"""Continuous batching with chunked prefill: each step is every running decode plus prefill chunks.
 
-Prefill goes first: waiting sequences are admitted in FIFO order while ``max_num_seqs``,
-``max_num_batched_tokens`` (a single longer prompt still runs alone) and free blocks allow. Otherwise
-every running sequence decodes one token; when one needs a block and none is free, the youngest
-running sequence is preempted (its blocks freed, and it is recomputed by a later prefill).
+A step's budget is ``max_num_batched_tokens`` tokens. Decodes go first: every running sequence
+whose prompt is cached feeds one token (when it needs a block and none is free, the youngest
+running sequence is preempted: its blocks are freed and it is recomputed later). Prefill chunks
+fill the rest of the budget: first the running sequences still prefilling (oldest first), then
+waiting ones in FIFO order while ``max_num_seqs`` and free blocks allow. A waiting sequence gets
+the blocks of all its tokens when it is admitted, so a prompt whose prefill spans several steps
+never waits for blocks halfway. Without ``chunked_prefill`` a prompt is never split: one that does
+not fit the remaining budget waits, unless the step holds no prefill yet (then it runs whole).
+
+Sequences whose KV was injected (a decode engine's ``start_decode``) join the running set at once
+and decode in the same step.
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
 
+from moriio_ray.engine.batch import Batch
 from moriio_ray.engine.block_allocator import BlockAllocator
 from moriio_ray.engine.sequence import SeqState, Sequence, blocks_for
-
-
-@dataclasses.dataclass
-class Batch:
-    """The sequences of one forward pass; a prefill feeds all their uncached tokens, a decode one each."""
-
-    is_prefill: bool
-    seqs: list[Sequence]
 
 
 class Scheduler:
     """Owns the waiting queue and the running set, and the blocks their sequences hold."""
 
     def __init__(
-        self, allocator: BlockAllocator, block_size: int, max_num_seqs: int, max_num_batched_tokens: int
+        self,
+        allocator: BlockAllocator,
+        block_size: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        chunked_prefill: bool = True,
     ) -> None:
         self.allocator = allocator
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.chunked_prefill = chunked_prefill
         self.waiting: collections.deque[Sequence] = collections.deque()
-        self.running: collections.deque[Sequence] = collections.deque()
+        self.running: collections.deque[Sequence] = collections.deque()  # oldest first
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
@@ -49,66 +56,87 @@ class Scheduler:
         if not self.waiting:
             return False
         head = self.waiting[0]
-        need = blocks_for(head.num_tokens, self.block_size) - len(head.block_table)
-        return head.num_cached > 0 or self.allocator.can_allocate(need)
+        return head.num_cached > 0 or self.allocator.can_allocate(self._blocks_needed(head))
 
     def schedule(self) -> Batch | None:
-        prefill = self._schedule_prefill()
-        if prefill:
-            return Batch(is_prefill=True, seqs=prefill)
-        decode = self._schedule_decode()
-        return Batch(is_prefill=False, seqs=decode) if decode else None
-
-    def _schedule_prefill(self) -> list[Sequence]:
-        batch: list[Sequence] = []
-        num_batched = 0
-        while self.waiting and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            if seq.num_cached > 0:  # its prompt KV was injected: it only needs a place to decode
-                self.waiting.popleft()
-                seq.state = SeqState.RUNNING
-                self.running.append(seq)
-                continue
-            num_new = seq.num_tokens
-            if batch and num_batched + num_new > self.max_num_batched_tokens:
+        self._join_injected()
+        decodes = self._schedule_decodes()
+        budget = self.max_num_batched_tokens - len(decodes)
+        seqs, q_lens = list(decodes), [1] * len(decodes)
+        for seq in self.running:  # prompts part-way through their prefill, oldest first
+            if budget <= 0:
                 break
-            need = blocks_for(seq.num_tokens, self.block_size) - len(seq.block_table)
+            if seq.is_prefilling:
+                n = min(seq.num_ahead - seq.num_cached, budget)
+                seqs.append(seq)
+                q_lens.append(n)
+                budget -= n
+        while budget > 0 and self.waiting and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            remaining = seq.num_ahead - seq.num_cached
+            if not self.chunked_prefill and remaining > budget and len(seqs) > len(decodes):
+                break  # unsplit prompts: it waits for a step with room
+            need = self._blocks_needed(seq)
             if not self.allocator.can_allocate(need):
                 break
             seq.block_table += self.allocator.allocate(need)
             self.waiting.popleft()
             seq.state = SeqState.RUNNING
             self.running.append(seq)
-            batch.append(seq)
-            num_batched += num_new
-        return batch
+            n = remaining if not self.chunked_prefill else min(remaining, budget)
+            seqs.append(seq)
+            q_lens.append(n)
+            budget -= n
+        return Batch(seqs, q_lens, len(decodes)) if seqs else None
 
-    def _schedule_decode(self) -> list[Sequence]:
-        batch: list[Sequence] = []
-        while self.running and len(batch) < self.max_num_seqs:
-            seq = self.running.popleft()
+    def _blocks_needed(self, seq: Sequence) -> int:
+        return blocks_for(seq.num_ahead, self.block_size) - len(seq.block_table)
+
+    def _join_injected(self) -> None:
+        """Waiting sequences whose prompt KV is in place join the running set (they decode now)."""
+        if not any(seq.num_cached > 0 for seq in self.waiting):
+            return
+        for seq in [s for s in self.waiting if s.num_cached > 0]:
+            if len(self.running) >= self.max_num_seqs:
+                return
+            self.waiting.remove(seq)
+            seq.state = SeqState.RUNNING
+            self.running.append(seq)
+
+    def _schedule_decodes(self) -> list[Sequence]:
+        """Every running sequence past its prefill feeds its last token, oldest first."""
+        decodes: list[Sequence] = []
+        scheduled: set[int] = set()
+        for seq in list(self.running):
+            if seq.state is not SeqState.RUNNING or seq.is_prefilling:
+                continue  # preempted by an older one just now, or still prefilling
+            if seq.ends_ahead(self.max_model_len):
+                continue  # its pending tokens end it: the step that reads them back finishes it
             while not self._can_append(seq):
-                if self.running:
-                    self.preempt(self.running.pop())  # the youngest
-                else:
-                    self.preempt(seq)
+                victim = next(s for s in reversed(self.running) if id(s) not in scheduled)
+                self.preempt(victim)  # the youngest not yet scheduled (this one, at worst)
+                if victim is seq:
                     break
             else:
                 if seq.num_cached // self.block_size == len(seq.block_table):
                     seq.block_table += self.allocator.allocate(1)
-                batch.append(seq)
-        self.running.extendleft(reversed(batch))
-        return batch
+                decodes.append(seq)
+                scheduled.add(id(seq))
+        return decodes
 
     def _can_append(self, seq: Sequence) -> bool:
         # the token fed next lands at position num_cached
         return seq.num_cached // self.block_size < len(seq.block_table) or self.allocator.can_allocate(1)
 
     def preempt(self, seq: Sequence) -> None:
-        """Free a running sequence's blocks and queue it first for recomputation."""
+        """Free a running sequence's blocks and queue it first for recomputation (tokens still on
+        the device are dropped: the recompute samples them again, the same ones)."""
         self.num_preemptions += 1
+        self.running.remove(seq)
         self._free_blocks(seq)
         seq.num_cached = 0
+        seq.num_pending = 0
+        seq.generation += 1
         seq.state = SeqState.WAITING
         self.waiting.appendleft(seq)
 

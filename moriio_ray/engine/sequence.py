@@ -10,7 +10,7 @@ from moriio_ray.engine.sampling import SamplingParams
 
 class SeqState(enum.Enum):
     WAITING = "waiting"  # needs a prefill (new, recomputing after preemption, or reserved + recompute)
-    RUNNING = "running"  # its KV is cached up to the last token; decodes one token per step
+    RUNNING = "running"  # holds its blocks; prefills chunk by chunk, then decodes one token per step
     RESERVED = "reserved"  # decode role: holds blocks while its prompt KV is transferred in
     FINISHED = "finished"
 
@@ -24,8 +24,12 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 class Sequence:
     """A request as the scheduler sees it.
 
-    Invariant while RUNNING: ``num_cached == num_tokens - 1``: every token but the last has its
-    K/V in the cache, and the next step feeds the last one.
+    ``num_cached`` tokens have their K/V in the cache (it advances when a step is launched). While
+    RUNNING, a sequence with ``num_cached < num_ahead - 1`` is still prefilling (each step feeds its
+    next chunk); then ``num_cached == num_ahead - 1``: every token but the last is cached, and the
+    next step feeds the last one. Under overlapped scheduling the newest ``num_pending`` tokens were
+    sampled on the device and are not in ``output_ids`` yet: a step feeds the newest one straight
+    from the device (row ``pending_row`` of the previous step's sampled tokens).
     """
 
     request_id: str
@@ -39,14 +43,44 @@ class Sequence:
     output_ids: list[int] = dataclasses.field(default_factory=list)
     block_table: list[int] = dataclasses.field(default_factory=list)
     num_cached: int = 0
+    num_pending: int = 0
+    pending_row: int = -1
+    # bumped when the sequence is preempted: rows of a step launched before then are discarded
+    generation: int = 0
 
     @property
     def num_tokens(self) -> int:
+        """Prompt and output tokens the host knows."""
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_ahead(self) -> int:
+        """Every token, with those still on the device."""
+        return len(self.prompt_ids) + len(self.output_ids) + self.num_pending
 
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_ids)
 
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_cached < self.num_ahead - 1
+
     def token_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    def tokens(self, start: int, count: int) -> list[int]:
+        """Known tokens ``[start, start + count)`` (the chunk a prefill step feeds)."""
+        num_prompt = len(self.prompt_ids)
+        if start + count <= num_prompt:
+            return self.prompt_ids[start : start + count]
+        head = self.prompt_ids[start:] if start < num_prompt else []
+        return head + self.output_ids[max(0, start - num_prompt) : start + count - num_prompt]
+
+    def ends_ahead(self, max_model_len: int) -> bool:
+        """Whether the tokens sampled so far (pending ones included) end the request by length, so
+        that no further step may feed it (content stops, like EOS, show only once read back)."""
+        num_out = len(self.output_ids) + self.num_pending
+        if self.prefill_only:
+            return num_out >= 1
+        return num_out >= self.params.max_tokens or self.num_ahead >= max_model_len

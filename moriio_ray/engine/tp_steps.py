@@ -1,10 +1,11 @@
 """The one message per step that rank 0 of a tensor-parallel engine broadcasts to the other ranks.
 
 Rank 0 schedules; every rank runs the same forward pass on its shard. Before each forward rank 0
-broadcasts the batch (the tokens fed, each sequence's cached length and block table, and for a
-prefill the request ids, which the layer hook of a WRITE-mode push needs), over the gloo control
-group, in one fixed-size buffer: one collective per step (two only for a message past
-``CAPACITY_BYTES``, a long prefill), and none per layer. The other ranks rebuild the batch and run it.
+broadcasts the batch (per row: the tokens fed, the cached length and the block table; the number
+of decode rows; and the prefill rows' chunks, which the layer hook of a WRITE-mode push needs),
+over the gloo control group, in one fixed-size buffer: one collective per step (two only for a
+message past ``CAPACITY_BYTES``, a long prefill chunk), and none per layer. The other ranks rebuild
+the batch and run it.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ import msgspec
 import numpy as np
 import torch
 
+from moriio_ray.engine.batch import Batch, PrefillChunk
+from moriio_ray.engine.inputs import last_token
 from moriio_ray.engine.sampling import SamplingParams
-from moriio_ray.engine.scheduler import Batch
 from moriio_ray.engine.sequence import Sequence
 from moriio_ray.engine.tp import TPGroup, collective
 
@@ -33,40 +35,38 @@ class Kind(enum.IntEnum):
 
 class StepMsg(msgspec.Struct, array_like=True):
     kind: Kind
-    is_prefill: bool = False
-    request_ids: list[str] = msgspec.field(default_factory=list)  # prefill only
-    tokens: list[list[int]] = msgspec.field(default_factory=list)  # prefill: all; decode: the last
+    num_decodes: int = 0
+    tokens: list[list[int]] = msgspec.field(default_factory=list)  # per row: the tokens fed
     num_cached: list[int] = msgspec.field(default_factory=list)
     tables: list[list[int]] = msgspec.field(default_factory=list)
+    chunks: list[PrefillChunk] = msgspec.field(default_factory=list)  # the prefill rows'
 
 
 def encode_batch(batch: Batch) -> StepMsg:
-    seqs = batch.seqs
-    if batch.is_prefill:
-        tokens = [seq.token_ids() for seq in seqs]
-        ids = [seq.request_id for seq in seqs]
-    else:
-        tokens = [[seq.output_ids[-1] if seq.output_ids else seq.prompt_ids[-1]] for seq in seqs]
-        ids = []
+    """Rank 0's batch as a message (its tokens are on the host: overlap is off under TP)."""
+    seqs, nd = batch.seqs, batch.num_decodes
+    assert not any(seq.num_pending for seq in seqs), "a follower cannot read a token on rank 0's device"
+    tokens = [[last_token(seq)] for seq in seqs[:nd]]
+    tokens += [seq.tokens(seq.num_cached, n) for seq, n in zip(seqs[nd:], batch.q_lens[nd:], strict=True)]
     return StepMsg(
         Kind.STEP,
-        batch.is_prefill,
-        ids,
+        nd,
         tokens,
         [seq.num_cached for seq in seqs],
         [list(seq.block_table) for seq in seqs],
+        batch.prefill_chunks(),
     )
 
 
 def decode_batch(msg: StepMsg) -> Batch:
     """The batch as the runner needs it (sequences carry only what the forward pass reads)."""
-    names = msg.request_ids or [""] * len(msg.tokens)
     seqs = []
-    for rid, tokens, cached, table in zip(names, msg.tokens, msg.num_cached, msg.tables, strict=True):
-        seq = Sequence(rid, tokens, _PARAMS, 0)
+    for cached, table in zip(msg.num_cached, msg.tables, strict=True):
+        seq = Sequence("", [], _PARAMS, 0)
         seq.num_cached, seq.block_table = cached, table
         seqs.append(seq)
-    return Batch(is_prefill=msg.is_prefill, seqs=seqs)
+    q_lens = [len(t) for t in msg.tokens]
+    return Batch(seqs, q_lens, msg.num_decodes, fed=msg.tokens, chunks=msg.chunks)
 
 
 class StepChannel:

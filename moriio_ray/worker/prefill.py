@@ -17,6 +17,7 @@ import logging
 import time
 
 from moriio_ray import metrics
+from moriio_ray.engine.batch import PrefillChunk
 from moriio_ray.engine.outputs import PrefillResult
 from moriio_ray.runtime.deadline import deadline
 from moriio_ray.runtime.detached import send
@@ -228,9 +229,9 @@ class PrefillSide:
         assert out.prefill is not None, "a prefill engine's output carries its PrefillResult"
         return out.prefill, out.finish_reason, time.perf_counter() - t0
 
-    def _on_layer(self, layer: int, request_ids: list[str]) -> None:
-        # engine thread: push this layer for every request of the batch that has a destination
-        for rid in request_ids:
-            rec = self.core.table.by_engine(rid)
+    def _on_layer(self, layer: int, chunks: list[PrefillChunk]) -> None:
+        # engine thread: push this layer of what each chunk completed, where it has a destination
+        for chunk in chunks:
+            rec = self.core.table.by_engine(chunk.request_id)
             if rec is not None and rec.pusher is not None:
-                rec.pusher.on_layer(layer, self.core.engine.prefill_blocks(rid))
+                rec.pusher.on_layer(layer, chunk, self.core.engine.prefill_blocks(chunk.request_id))

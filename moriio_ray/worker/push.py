@@ -1,7 +1,10 @@
 """WRITE mode: push each layer of a prefill into the decode engine's reserved blocks as it is computed.
 
-Under tensor parallelism every P rank runs a pusher for its own KV heads, with one target per D
-rank that holds some of them (``plan.rank_pairs``): per layer, one batched write per target.
+A prompt prefilled in chunks (several steps) is pushed chunk by chunk: per layer, the blocks that
+the chunk completed (``PrefillChunk.ready_blocks``), so each block goes once, whole, and the
+prompt's last partial block with the last chunk. Under tensor parallelism every P rank runs a
+pusher for its own KV heads, with one target per D rank that holds some of them
+(``plan.rank_pairs``): per layer and chunk, one batched write per target.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import time
 
 import numpy as np
 
+from moriio_ray.engine.batch import PrefillChunk
 from moriio_ray.errors import TransferError, TransferTimeout
 from moriio_ray.runtime.messages import RankDesc
 from moriio_ray.transfer.base import TransferAgent
@@ -64,44 +68,53 @@ class LayerPusher:
         self.num_bytes = 0
         self.num_segments = 0
         self.num_layers = local_layout.num_layers
-        # set once the last layer is pushed (or a push failed): a rank other than 0 may run its
-        # forward pass a little behind rank 0, which asks it to wait
+        self.num_layers_pushed = 0  # of the latest chunk
+        # set once the last layer of the last chunk is pushed (or a push failed): a rank other than
+        # 0 may run its forward pass a little behind rank 0, which asks it to wait
         self.complete = threading.Event()
-        # per target: layer 0's (local, remote, sizes) and the remote layer stride
-        self._plans: list[tuple[np.ndarray, np.ndarray, np.ndarray, int]] | None = None
+        # the blocks of the chunk being pushed, and per target layer 0's (local, remote, sizes)
+        # and the remote layer stride
+        self._plans: tuple[tuple[int, int], list[tuple[np.ndarray, np.ndarray, np.ndarray, int]]] | None
+        self._plans = None
         self._local_stride = layer_stride_bytes(local_layout)
         self._lock = threading.Lock()  # on_layer (engine thread) against close (asyncio thread)
         self.closed = False
 
-    def on_layer(self, layer: int, local_blocks: list[int]) -> None:
-        """Push ``layer`` of the prompt's blocks; errors are kept for ``wait_all`` (never raised here)."""
+    def on_layer(self, layer: int, chunk: PrefillChunk, local_blocks: list[int]) -> None:
+        """Push ``layer`` of the blocks ``chunk`` completed (``local_blocks``: the prompt's blocks
+        here); errors are kept for ``wait_all`` (never raised here)."""
         with self._lock:
             if self.error is None and not self.closed:
-                self._push(layer, local_blocks)
+                self._push(layer, chunk, local_blocks)
 
-    def _push(self, layer: int, local_blocks: list[int]) -> None:
+    def _push(self, layer: int, chunk: PrefillChunk, local_blocks: list[int]) -> None:
         try:
             if self.last_push_unix is not None and time.time() > self.last_push_unix:
                 raise TransferTimeout(
                     f"{self.agent.key}: the reservation's deadline passed before layer {layer} was pushed"
                 )
-            if self._plans is None:
-                self._plans = self._plan(local_blocks)
-            local_step = layer * self._local_stride
-            for target, (lo, ro, sz, remote_stride) in zip(self.targets, self._plans, strict=True):
-                xfer = self.agent.write(
-                    self.local_mem, target.kv_mem, lo + local_step, ro + layer * remote_stride, sz
-                )
-                self.transfers.append(xfer)
-                self.num_bytes += xfer.num_bytes
-                self.num_segments += xfer.num_segments
-            if layer == self.num_layers - 1:
+            first, end = chunk.ready_blocks(self.local_layout.block_size)
+            if first < end:
+                if self._plans is None or self._plans[0] != (first, end):
+                    self._plans = ((first, end), self._plan(local_blocks, first, end))
+                local_step = layer * self._local_stride
+                for target, (lo, ro, sz, remote_stride) in zip(self.targets, self._plans[1], strict=True):
+                    xfer = self.agent.write(
+                        self.local_mem, target.kv_mem, lo + local_step, ro + layer * remote_stride, sz
+                    )
+                    self.transfers.append(xfer)
+                    self.num_bytes += xfer.num_bytes
+                    self.num_segments += xfer.num_segments
+            self.num_layers_pushed = layer + 1
+            if layer == self.num_layers - 1 and chunk.is_last:
                 self.complete.set()
         except BaseException as exc:
             self.error = exc
             self.complete.set()
 
-    def _plan(self, local_blocks: list[int]) -> list[tuple[np.ndarray, np.ndarray, np.ndarray, int]]:
+    def _plan(
+        self, local_blocks: list[int], first: int, end: int
+    ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray, int]]:
         dest = self.dest_blocks
         if len(local_blocks) < len(dest):
             raise TransferError(
@@ -109,7 +122,9 @@ class LayerPusher:
             )
         plans = []
         for target in self.targets:
-            plan = plan_blocks(local_blocks[: len(dest)], dest, self.local_layout, target.layout, range(0, 1))
+            plan = plan_blocks(
+                local_blocks[first:end], dest[first:end], self.local_layout, target.layout, range(0, 1)
+            )
             plans.append(
                 (plan.local_offsets, plan.remote_offsets, plan.sizes, layer_stride_bytes(target.layout))
             )
@@ -120,8 +135,8 @@ class LayerPusher:
         deadline = time.monotonic() + timeout_s
         if not self.complete.wait(timeout_s):
             raise TransferTimeout(
-                f"{self.agent.key}: the prefill pushed {len(self.transfers) // len(self.targets)} of "
-                f"{self.num_layers} layers within {timeout_s} s"
+                f"{self.agent.key}: the prefill pushed {self.num_layers_pushed} of {self.num_layers} "
+                f"layers of its last chunk within {timeout_s} s"
             )
         if self.error is not None:
             raise self.error

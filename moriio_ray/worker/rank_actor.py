@@ -18,6 +18,7 @@ from typing import Any
 
 from moriio_ray import env
 from moriio_ray.config import PipelineConfig
+from moriio_ray.engine.batch import PrefillChunk
 from moriio_ray.errors import InvalidRequest, MoriioRayError
 from moriio_ray.runtime.messages import RankDesc, Role
 from moriio_ray.transfer import create_agent
@@ -170,12 +171,12 @@ class RankWorker:
         pusher = self.pushers.pop(request_id, None)
         return True if pusher is None else await asyncio.to_thread(pusher.settle, timeout_s)
 
-    def _on_layer(self, layer: int, request_ids: list[str]) -> None:
-        # engine thread: push this layer for every request of the batch that has a destination
-        for rid in request_ids:
-            pusher = self.pushers.get(rid)
+    def _on_layer(self, layer: int, chunks: list[PrefillChunk]) -> None:
+        # engine thread: push this layer of what each chunk completed, where it has a destination
+        for chunk in chunks:
+            pusher = self.pushers.get(chunk.request_id)
             if pusher is not None:
-                pusher.on_layer(layer, self.engine.prefill_blocks(rid))
+                pusher.on_layer(layer, chunk, self.engine.prefill_blocks(chunk.request_id))
 
     async def peer_lost(self, keys: list[str]) -> None:
         """A peer engine died: drop its ranks; their in-flight transfers fail with PeerLost."""

@@ -1,4 +1,5 @@
-"""Disaggregated greedy tokens equal colocated ones, for both modes and both CPU backends."""
+"""Disaggregated greedy tokens equal colocated ones, for both modes and both CPU backends, with and
+without chunked prefill (a WRITE push then follows the chunks) and overlapped scheduling."""
 
 from __future__ import annotations
 
@@ -29,10 +30,24 @@ def reference() -> Iterator[dict[str, list[list[int]]]]:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("backend", ["shm", "tcp"])
-@pytest.mark.parametrize("mode", ["read", "write"])
-def test_pd_tokens_equal_colocated(reference: dict[str, list[list[int]]], backend: str, mode: str) -> None:
-    pipe = PDPipeline.launch(tiny_config(f"parity-{backend}-{mode}", backend=backend, mode=mode))
+@pytest.mark.parametrize(
+    ("backend", "mode", "budget", "overlap"),
+    # a budget of 40 tokens a step prefills the longer prompts (up to 120) in chunks, on P and D;
+    # overlapped scheduling (the CUDA default) on P and D in two of the four
+    [
+        ("shm", "read", 4096, True),
+        ("tcp", "read", 40, False),
+        ("shm", "write", 40, True),
+        ("tcp", "write", 4096, False),
+    ],
+)
+def test_pd_tokens_equal_colocated(
+    reference: dict[str, list[list[int]]], backend: str, mode: str, budget: int, overlap: bool
+) -> None:
+    engine = {"max_num_batched_tokens": budget, "overlap_scheduling": overlap}
+    pipe = PDPipeline.launch(
+        tiny_config(f"parity-{backend}-{mode}", backend=backend, mode=mode, engine=engine)
+    )
     try:
         results = pipe.generate_batch(PROMPTS, GREEDY, max_concurrency=16)
         assert [len(r.token_ids) for r in results] == [12] * len(PROMPTS)

@@ -45,10 +45,17 @@ def _info(pipe: PDPipeline, key: str) -> Any:
     return None if member is None else (member.epoch, ray.get(member.info_ref))
 
 
-# (p, d, mode) -> what the pipeline is launched with; the (1, 2) ones serve a kill test later
+# (p, d, mode) -> what the pipeline is launched with; the (1, 2) ones serve a kill test later.
+# With P at TP = 2 the longer prompts are prefilled in chunks of up to 40 tokens: every rank runs
+# the chunks of the step message, and (WRITE) pushes the blocks each chunk completed.
+CHUNKED = {"engine": {"max_num_batched_tokens": 40}}
 SPECS: dict[tuple[int, int, str], dict[str, Any]] = {
     (1, 2, "read"): {"decode": 2, "transfer": {"on_transfer_failure": "recompute"}},
     (1, 2, "write"): {"transfer": {"on_transfer_failure": "fail"}},
+    (2, 1, "read"): CHUNKED,
+    (2, 1, "write"): CHUNKED,
+    (2, 2, "read"): CHUNKED,
+    (2, 2, "write"): CHUNKED,
 }
 KILL = {"recompute": (1, 2, "read"), "fail": (1, 2, "write")}
 

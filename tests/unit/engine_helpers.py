@@ -26,8 +26,10 @@ def tiny_engine(
     max_model_len: int | None = None,
     lease_grace_s: float = 5.0,
     lease_s: float = 30.0,
+    chunked_prefill: bool = True,
+    overlap: bool = False,
 ) -> Engine:
-    """An Engine over the ``tiny`` preset on CPU in float32."""
+    """An Engine over the ``tiny`` preset on CPU in float32 (``overlap``: overlapped scheduling)."""
     return Engine(
         ModelConfig(preset="tiny", dtype="float32", seed=0, max_model_len=max_model_len),
         EngineConfig(
@@ -37,6 +39,8 @@ def tiny_engine(
             layout=layout,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
+            chunked_prefill=chunked_prefill,
+            overlap_scheduling=overlap,
         ),
         role=role,
         lease_grace_s=lease_grace_s,

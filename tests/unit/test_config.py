@@ -70,6 +70,13 @@ BAD_VALUES = [
     ("engine.layout", "head_major", "'head_major' is not one of layer_major, block_major"),
     ("engine.max_num_seqs", 0, "0 must be >= 1"),
     ("engine.max_num_batched_tokens", 0, "0 must be >= 1"),
+    (
+        "engine.max_num_batched_tokens",
+        32,
+        "32 must be >= max_num_seqs (64): every running sequence decodes one token in each step",
+    ),
+    ("engine.chunked_prefill", "yes", "Expected `bool`, got `str`"),
+    ("engine.overlap_scheduling", "on", "Expected `bool | null`, got `str`"),
     # pool, runtime, serve
     (
         "pool.placement_strategy",

@@ -42,22 +42,23 @@ def test_queue_then_preempt_and_recompute_give_the_same_tokens() -> None:
 
 
 @pytest.mark.timeout(60)
-def test_max_num_seqs_and_batched_tokens_bound_batches() -> None:
+def test_a_step_holds_the_decodes_then_prefill_chunks_up_to_the_budget() -> None:
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    want, _ = _run(tiny_engine(), [[7 + i] * 8 for i in range(6)], params)
     engine = tiny_engine(max_num_seqs=3, max_num_batched_tokens=20)
-    for i in range(6):
-        engine.add_request(f"r{i}", [7 + i] * 8, SamplingParams(max_tokens=3, ignore_eos=True))
-    sizes: list[tuple[bool, int]] = []
+    steps: list[tuple[int, list[int]]] = []
     run = engine.runner.run
 
-    def recording_run(batch, hook=None):
-        sizes.append((batch.is_prefill, len(batch.seqs)))
-        return run(batch, hook)
+    def recording_run(batch, *args):
+        steps.append((batch.num_decodes, list(batch.q_lens)))
+        return run(batch, *args)
 
     engine.runner.run = recording_run  # type: ignore[method-assign]
-    results = run_to_end(engine)
-    assert all(len(r.tokens) == 3 for r in results.values()) and len(results) == 6
-    assert max(n for pre, n in sizes if pre) == 2  # 8 + 8 <= 20 < 8 * 3
-    assert max(n for pre, n in sizes if not pre) == 3  # max_num_seqs
+    got, _ = _run(engine, [[7 + i] * 8 for i in range(6)], params)
+    assert got == want and all(len(t) == 3 for t in got.values())
+    assert steps[0] == (0, [8, 8, 4])  # the third prompt's first chunk fills the budget
+    assert steps[1] == (2, [1, 1, 4])  # its rest rides along with the first two's decodes
+    assert all(sum(q) <= 20 and len(q) <= 3 for _, q in steps)  # the budget, max_num_seqs
     assert engine.stats()["num_used_blocks"] == 0
 
 

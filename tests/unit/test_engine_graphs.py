@@ -8,9 +8,9 @@ import pytest
 import torch
 from engine_helpers import prompts_for_block_size, tiny_engine
 
+from moriio_ray.engine.batch import Batch
 from moriio_ray.engine.cuda_graph import MIN_CONTEXT_SLOTS, DecodeGraphs, batch_buckets
 from moriio_ray.engine.sampling import SamplingParams
-from moriio_ray.engine.scheduler import Batch
 
 
 @pytest.mark.timeout(10)
@@ -50,7 +50,7 @@ def test_padded_graph_forward_equals_eager_decode() -> None:
     assert key == (8, MIN_CONTEXT_SLOTS // engine.block_size)
     before = engine.kv_cache.clone()
     with torch.inference_mode():
-        eager = engine.runner.run(Batch(is_prefill=False, seqs=seqs))
+        eager = engine.runner.run(Batch.decode(seqs))
         written_by_eager = engine.kv_cache.clone()
         engine.kv_cache.copy_(before)
         graphs._load(seqs, *key)

@@ -46,7 +46,7 @@ def test_fill_writes_only_the_batch_rows_of_larger_buffers() -> None:
     seqs = _batch(random.Random(9), 3, 4)
     width = max(len(s.block_table) for s in seqs)
     out = DecodeInputs(
-        *(np.full(8, -1) for _ in range(2)), np.full((8, width), -1), np.full(8, -1), np.full(8, -1)
+        *(np.full(8, -1) for _ in range(3)), np.full((8, width), -1), np.full(8, -1), np.full(8, -1)
     )
     fill_decode_inputs(seqs, 4, out, pad_block=5)
     assert (out.ids[3:] == -1).all() and (out.block_tables[3:] == -1).all()

@@ -44,9 +44,10 @@ def _run_with_errors(engine: Any) -> tuple[dict[str, Result], dict[str, tuple[st
 
 
 @pytest.mark.timeout(60)
-def test_a_failing_stop_rule_ends_only_its_request(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_failing_stop_rule_ends_only_its_request(monkeypatch: pytest.MonkeyPatch, overlap: bool) -> None:
     clean = _clean_tokens()
-    engine = tiny_engine()
+    engine = tiny_engine(overlap=overlap)
     real_decode = engine.tokenizer.decode
 
     def decode(ids: list[int]) -> str:
@@ -71,7 +72,8 @@ def test_a_failing_stop_rule_ends_only_its_request(monkeypatch: pytest.MonkeyPat
 
 
 @pytest.mark.timeout(60)
-def test_a_failing_sampler_row_ends_only_its_request(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_failing_sampler_row_ends_only_its_request(monkeypatch: pytest.MonkeyPatch, overlap: bool) -> None:
     clean = _clean_tokens()
     real_filter = sampler._filter
 
@@ -81,7 +83,7 @@ def test_a_failing_sampler_row_ends_only_its_request(monkeypatch: pytest.MonkeyP
         return real_filter(scaled, rows)
 
     monkeypatch.setattr(sampler, "_filter", failing_filter)
-    engine = tiny_engine()
+    engine = tiny_engine(overlap=overlap)
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(f"r{i}", prompt, GOOD)
     # joins the running batch after the others have decoded a few tokens

@@ -3,6 +3,8 @@ colocated tokens, greedy and with seeded temperature sampling, in both layouts a
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from engine_helpers import (
@@ -14,6 +16,7 @@ from engine_helpers import (
     with_first,
 )
 
+from moriio_ray.engine.batch import PrefillChunk
 from moriio_ray.engine.sampling import SamplingParams
 from moriio_ray.errors import InvalidRequest
 
@@ -64,27 +67,45 @@ def test_pd_seeded_temperature_equals_colocated() -> None:
 
 
 @pytest.mark.timeout(60)
-def test_layer_hook_sees_each_layer_written() -> None:
-    """WRITE mode: when the hook runs for layer i, layer i's K/V are final and layer i+1's not yet written."""
-    engine = tiny_engine("prefill")
+@pytest.mark.parametrize("budget", [4096, 7])
+def test_layer_hook_sees_each_layer_written(budget: int) -> None:
+    """WRITE mode: when the hook runs for layer i of a chunk, layer i's K/V of the chunk's tokens
+    are final and layer i+1's not yet written; the chunks cover the prompt in order."""
+    engine = tiny_engine("prefill", max_num_seqs=1, max_num_batched_tokens=budget)
     prompt = prompts_for_block_size(BLOCK_SIZE, count=6, seed=2)[5]
+    assert len(prompt) > 2 * budget or budget > len(prompt)
     engine.add_request("r", prompt, SamplingParams(max_tokens=4))
-    snapshots: list[tuple[int, list[str], list[torch.Tensor]]] = []
+    snapshots: list[tuple[int, PrefillChunk, list[torch.Tensor]]] = []
 
-    def hook(layer: int, request_ids: list[str]) -> None:
-        blocks = engine.prefill_blocks("r")
-        snapshots.append((layer, request_ids, [k[blocks].clone() for k, _ in engine.cache.layers]))
+    def hook(layer: int, chunks: list[PrefillChunk]) -> None:
+        assert [c.request_id for c in chunks] == ["r"]
+        slots = _slots(engine.prefill_blocks("r"), chunks[0].start, chunks[0].end)
+        snapshots.append((layer, chunks[0], [k[slots].clone() for k, _ in engine.cache.layers]))
 
     engine.set_layer_hook(hook)
     run_to_end(engine)
     num_layers = engine.layout.num_layers
-    assert [s[0] for s in snapshots] == list(range(num_layers)) and all(s[1] == ["r"] for s in snapshots)
+    chunks = [c for layer, c, _ in snapshots if layer == 0]
+    assert [layer for layer, _, _ in snapshots] == list(range(num_layers)) * len(chunks)
+    assert (
+        chunks[0].start == 0
+        and chunks[-1].is_last
+        and all(c.num_prompt_tokens == len(prompt) for c in chunks)
+    )
+    assert all(a.end == b.start for a, b in itertools.pairwise(chunks))
+    assert (len(chunks) > 2) == (budget < len(prompt))
     blocks = engine.prefill_blocks("r")
-    final = [k[blocks] for k, _ in engine.cache.layers]
-    for layer, _, seen in snapshots:
+    for layer, chunk, seen in snapshots:
+        final = [k[_slots(blocks, chunk.start, chunk.end)] for k, _ in engine.cache.layers]
         torch.testing.assert_close(seen[layer], final[layer], rtol=0, atol=0)
         if layer + 1 < num_layers:
             assert seen[layer + 1].abs().sum() == 0
+
+
+def _slots(blocks: list[int], start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(block, offset) index of tokens [start, end) of a prompt held in ``blocks``."""
+    pos = torch.arange(start, end)
+    return torch.tensor(blocks)[pos // BLOCK_SIZE], pos % BLOCK_SIZE
 
 
 @pytest.mark.timeout(60)

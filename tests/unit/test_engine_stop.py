@@ -6,8 +6,8 @@ import pytest
 import torch
 from engine_helpers import run_to_end, tiny_engine
 
+from moriio_ray.engine.batch import Batch
 from moriio_ray.engine.sampling import SamplingParams
-from moriio_ray.engine.scheduler import Batch
 from moriio_ray.engine.sequence import Sequence
 from moriio_ray.engine.stopping import truncate_at_stop
 
@@ -75,7 +75,7 @@ def test_logprobs_are_the_raw_log_softmax(reference: list[int]) -> None:
     assert len(res.logprobs) == 5 and all(lp <= 0.0 for lp in res.logprobs)
     seq = Sequence("x", PROMPT, SamplingParams(), seed=0)
     seq.block_table = engine.allocator.allocate(2)
-    logits = engine.runner.run(Batch(is_prefill=True, seqs=[seq]))
+    logits = engine.runner.run(Batch.prefill([seq]))
     expected = logits.log_softmax(-1)[0, reference[0]].item()
     assert res.logprobs[0] == pytest.approx(expected, abs=1e-5)
     # a sampled (non-argmax) token reports its own, lower, log probability

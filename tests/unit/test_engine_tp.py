@@ -1,4 +1,5 @@
-"""A tensor-parallel engine (two processes, gloo) gives exactly the greedy tokens of one rank.
+"""A tensor-parallel engine (two processes, gloo) gives exactly the greedy tokens of one rank,
+also when it prefills in chunks.
 
 Also: each rank's KV cache holds its KV-head shard (registered with its own agent) with the values
 one rank computes for those heads, rank 0 sends one message per step and none per layer, and a
@@ -24,9 +25,13 @@ GREEDY = SamplingParams(max_tokens=16, ignore_eos=True)
 
 
 @pytest.mark.timeout(180)
-def test_tp2_engine_gives_the_tp1_greedy_tokens_and_holds_its_kv_shard() -> None:
-    ref = reference(PROMPTS, GREEDY)
-    leader, follower = run_ranks(2, PROMPTS)
+@pytest.mark.parametrize("budget", [4096, 16])
+def test_tp2_engine_gives_the_tp1_greedy_tokens_and_holds_its_kv_shard(budget: int) -> None:
+    """Also with prompts prefilled in chunks (a budget of 16 tokens a step splits the long ones):
+    the step message carries each row's chunk, and the tokens are the unchunked ones."""
+    ref = reference(PROMPTS, GREEDY, budget=budget)
+    assert ref["tokens"] == (reference(PROMPTS, GREEDY)["tokens"] if budget < 4096 else ref["tokens"])
+    leader, follower = run_ranks(2, PROMPTS, budget=budget)
     assert leader["tokens"] == ref["tokens"]
     assert all(len(t) == 16 for t in leader["tokens"])
     # one message per step (none per layer); the other rank ran every step

@@ -1,4 +1,6 @@
-"""Paged attention equals dense attention, in both cache layouts and on every prefill path."""
+"""Paged attention equals dense attention, in both cache layouts and on every path: decodes, fresh
+prompts (equal lengths, padded and masked, one call each), chunks that continue a cached prefix,
+and mixed batches of all of them."""
 
 from __future__ import annotations
 
@@ -9,10 +11,15 @@ import pytest
 import torch
 
 from moriio_ray.config import EngineConfig
-from moriio_ray.engine import runner as runner_mod
+from moriio_ray.engine import attention_prefill
 from moriio_ray.engine.arch import ModelArgs
-from moriio_ray.engine.attention import AttnMetadata, paged_decode_attention, prefill_attention, write_kv
+from moriio_ray.engine.attention import AttnMetadata, attend, paged_decode_attention, write_kv
+from moriio_ray.engine.attention_prefill import prefill_attention, split_decodes
+from moriio_ray.engine.batch import Batch
 from moriio_ray.engine.kv_cache import KVCache
+from moriio_ray.engine.runner import ModelRunner
+from moriio_ray.engine.sampling import SamplingParams
+from moriio_ray.engine.sequence import Sequence
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 6, 2, 8, 4
 
@@ -53,7 +60,7 @@ def test_paged_decode_matches_dense(layout: str) -> None:
         v = torch.randn(n, KV_HEADS, HEAD_DIM, generator=gen)
         pos = torch.arange(n)
         blocks = torch.tensor(table)[pos // BLOCK]
-        write_kv(k_cache, v_cache, k, v, AttnMetadata(False, blocks, pos % BLOCK))
+        write_kv(k_cache, v_cache, k, v, AttnMetadata(blocks, pos % BLOCK))
         tables.append(table)
         keys.append(k)
         values.append(v)
@@ -64,7 +71,7 @@ def test_paged_decode_matches_dense(layout: str) -> None:
     span = torch.arange(max_blocks * BLOCK)
     mask = (span[None, :] < torch.tensor(context_lens)[:, None])[:, None, None, :]
     q = torch.randn(len(tables), HEADS, HEAD_DIM, generator=gen)
-    meta = AttnMetadata(False, torch.zeros(0), torch.zeros(0), block_tables=padded, decode_mask=mask)
+    meta = AttnMetadata(torch.zeros(0), torch.zeros(0), len(tables), decode_tables=padded, decode_mask=mask)
     out = paged_decode_attention(q, k_cache, v_cache, meta)
     for i in range(len(tables)):
         ref = _dense(q[i : i + 1].double(), keys[i].double(), values[i].double(), causal=False)[0]
@@ -73,39 +80,95 @@ def test_paged_decode_matches_dense(layout: str) -> None:
     assert cache.layers[0][0].abs().sum() == 0 and cache.layers[2][1].abs().sum() == 0
 
 
+def _stub(dtype: torch.dtype = torch.float32) -> ModelRunner:
+    """A runner holding only what ``prepare`` reads."""
+    stub = ModelRunner.__new__(ModelRunner)
+    stub.device, stub.block_size, stub.dtype = torch.device("cpu"), BLOCK, dtype
+    return stub
+
+
+def _seq(start: int, q_len: int, table: list[int]) -> Sequence:
+    seq = Sequence("s", [1] * (start + q_len), SamplingParams(), seed=0)
+    seq.num_cached, seq.block_table = start, table
+    return seq
+
+
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("lengths", [[5, 5, 5], [1, 4, 8, 5, 13]])
 @pytest.mark.parametrize("masked", [True, False])
-def test_prefill_matches_dense(lengths: list[int], masked: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fresh_prompts_match_dense(lengths: list[int], masked: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Equal lengths (one causal call), mixed lengths padded+masked, and mixed lengths one call each."""
     if not masked:
-        monkeypatch.setattr(runner_mod, "MAX_PREFILL_MASK_ELEMS", 0)
+        monkeypatch.setattr(attention_prefill, "MAX_PREFILL_MASK_ELEMS", 0)
     gen = torch.Generator().manual_seed(2)
     total = sum(lengths)
     q = torch.randn(total, HEADS, HEAD_DIM, generator=gen, dtype=torch.float64)
     k = torch.randn(total, KV_HEADS, HEAD_DIM, generator=gen, dtype=torch.float64)
     v = torch.randn(total, KV_HEADS, HEAD_DIM, generator=gen, dtype=torch.float64)
-    # build the metadata exactly as the runner does (through a stub holding only what it reads)
-    stub = runner_mod.ModelRunner.__new__(runner_mod.ModelRunner)
-    stub.device, stub.block_size = torch.device("cpu"), BLOCK
-
-    class _Seq:
-        def __init__(self, n: int) -> None:
-            self.num_tokens, self.block_table = n, list(range(-(-n // BLOCK)))
-
-        def token_ids(self) -> list[int]:
-            return [0] * self.num_tokens
-
-    _, positions, meta = stub.prepare_prefill([_Seq(n) for n in lengths])  # type: ignore[list-item]
-    assert meta.uniform == (len(set(lengths)) == 1)
-    assert (meta.prefill_mask is not None) == (masked and not meta.uniform)
-    out = prefill_attention(q, k, v, meta)
+    seqs = [_seq(0, n, list(range(-(-n // BLOCK)))) for n in lengths]
+    _, positions, meta, _ = _stub(torch.float64).prepare(Batch.prefill(seqs))
+    assert meta.prefill is not None and not meta.prefill.extend and meta.prefill.fresh is not None
+    fresh = meta.prefill.fresh
+    assert fresh.uniform == (len(set(lengths)) == 1)
+    assert (fresh.mask is not None) == (masked and not fresh.uniform)
+    out = prefill_attention(q, k, v, torch.empty(0), torch.empty(0), meta.prefill)  # the cache unread
     start = 0
     for n in lengths:
         ref = _dense(q[start : start + n], k[start : start + n], v[start : start + n], causal=True)
         torch.testing.assert_close(out[start : start + n], ref, rtol=1e-10, atol=1e-10)
         start += n
     assert positions.tolist() == np.concatenate([np.arange(n) for n in lengths]).tolist()
+
+
+# (start, q_len) per row: two decodes, then chunks continuing a cached prefix and fresh prompts
+MIXED = [(6, 1), (13, 1), (4, 7), (9, 1 + 2 * BLOCK), (0, 5), (0, 3)]
+
+
+ORDERS = {
+    "decodes_chunks_fresh": MIXED,
+    "fresh_between": [*MIXED[:2], MIXED[4], MIXED[2], MIXED[5], MIXED[3]],
+    # a decode row far longer than the others attends alone (split_decodes)
+    "long_decode": [(6, 1), (150, 1), (13, 1), (9, 1), (3, 1), *MIXED[2:]],
+}
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("layout", ["layer_major", "block_major"])
+@pytest.mark.parametrize("order", list(ORDERS))
+def test_mixed_batch_matches_dense(layout: str, order: str) -> None:
+    """Decode rows, continued chunks and fresh prompts in one step: each row attends over its own
+    cached prefix and new tokens, causally, exactly as dense attention over its whole context."""
+    rows = ORDERS[order]
+    gen = torch.Generator().manual_seed(5)
+    cache = _cache(layout, num_blocks=96)
+    k_cache, v_cache = cache.layers[2]
+    free = torch.randperm(cache.num_blocks, generator=gen).tolist()
+    seqs, history = [], []
+    for start, n in rows:
+        seq = _seq(start, n, [free.pop() for _ in range(-(-(start + n) // BLOCK))])
+        hk, hv = (torch.randn(start, KV_HEADS, HEAD_DIM, generator=gen) for _ in range(2))
+        pos = torch.arange(start)
+        blocks = torch.tensor(seq.block_table, dtype=torch.int64)[pos // BLOCK]
+        write_kv(k_cache, v_cache, hk, hv, AttnMetadata(blocks, pos % BLOCK))  # the cached prefix
+        seqs.append(seq)
+        history.append((hk, hv))
+    num_decodes = sum(1 for _, n in rows if n == 1)
+    batch = Batch(seqs, [n for _, n in rows], num_decodes=num_decodes)
+    _ids, positions, meta, sample_index = _stub().prepare(batch)
+    assert [r.start for r in meta.decode_alone] == ([1] if order == "long_decode" else [])
+    total = sum(n for _, n in rows)
+    assert positions.tolist() == [p for s, n in rows for p in range(s, s + n)]
+    assert sample_index is None or sample_index.numel() == len(rows)  # every row reaches its end
+    q = torch.randn(total, HEADS, HEAD_DIM, generator=gen)
+    k, v = (torch.randn(total, KV_HEADS, HEAD_DIM, generator=gen) for _ in range(2))
+    write_kv(k_cache, v_cache, k, v, meta)
+    out = attend(q, k, v, k_cache, v_cache, meta)
+    t = 0
+    for (_, n), (hk, hv) in zip(rows, history, strict=True):
+        keys, values = torch.cat([hk, k[t : t + n]]), torch.cat([hv, v[t : t + n]])
+        ref = _dense(q[t : t + n].double(), keys.double(), values.double(), causal=True)
+        torch.testing.assert_close(out[t : t + n].double(), ref, rtol=1e-5, atol=1e-5)
+        t += n
 
 
 @pytest.mark.timeout(30)
@@ -126,3 +189,11 @@ def test_cache_views_sit_where_the_layout_says(layout: str) -> None:
                 segment = raw[offset : offset + lay.segment_bytes].view(torch.float32)
                 assert torch.all(segment == 1000 * layer + 100 * kv + block)
     assert lay.total_bytes == cache.tensor.numel() * cache.tensor.element_size()
+
+
+def test_split_decodes_leaves_alone_only_rows_far_longer_than_the_rest() -> None:
+    assert split_decodes([10] * 16) == []
+    assert split_decodes([10, 12, 9, 257, 11]) == [3]
+    assert split_decodes([10] * 16 + [257, 300]) == [16, 17]
+    assert split_decodes([30, 40, 35]) == []
+    assert split_decodes([5]) == []

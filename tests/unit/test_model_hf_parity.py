@@ -16,11 +16,11 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from moriio_ray.config import EngineConfig, ModelConfig  # noqa: E402
+from moriio_ray.engine.batch import Batch  # noqa: E402
 from moriio_ray.engine.kv_cache import KVCache  # noqa: E402
 from moriio_ray.engine.loader import load_model, model_args  # noqa: E402
 from moriio_ray.engine.runner import ModelRunner  # noqa: E402
 from moriio_ray.engine.sampling import SamplingParams  # noqa: E402
-from moriio_ray.engine.scheduler import Batch  # noqa: E402
 from moriio_ray.engine.sequence import Sequence, blocks_for  # noqa: E402
 
 BLOCK = 4
@@ -74,7 +74,12 @@ def _ours(tmp: Path, dtype: torch.dtype) -> tuple[ModelRunner, Any]:
     return ModelRunner(model, cache, torch.device("cpu")), model
 
 
-def _compare(tmp: Path, case: str, dtype: torch.dtype, atol: float, shard: bool = False) -> None:
+BIG = 1 << 30
+
+
+def _compare(
+    tmp: Path, case: str, dtype: torch.dtype, atol: float, shard: bool = False, chunk: int = 0
+) -> None:
     ref = _write_hf(tmp, case, dtype, shard)
     if shard:
         assert (tmp / "model.safetensors.index.json").exists() and len(list(tmp.glob("*.safetensors"))) > 2
@@ -90,21 +95,29 @@ def _compare(tmp: Path, case: str, dtype: torch.dtype, atol: float, shard: bool 
         seq = Sequence(f"s{i}", ids[:n], SamplingParams(), seed=0)
         seq.block_table = [free.pop() for _ in range(blocks_for(n + extra, BLOCK))][::-1]  # out of order
         seqs.append(seq)
+    # prefill (mixed lengths: padded + masked path; or chunk by chunk, each chunk continuing the
+    # cached prefix), logits at every position
+    logits_of: list[list[torch.Tensor]] = [[] for _ in seqs]
     with torch.inference_mode():
-        ids, positions, meta = runner.prepare_prefill(seqs)
-        hidden = model(ids, positions, runner.kv_cache.layers, meta)
-        logits = model.compute_logits(hidden)
-    start = 0
-    for seq, exp in zip(seqs, expected, strict=True):
+        while any(seq.num_cached < seq.num_prompt_tokens for seq in seqs):
+            rows = [i for i, seq in enumerate(seqs) if seq.num_cached < seq.num_prompt_tokens]
+            q_lens = [min(chunk or BIG, seqs[i].num_prompt_tokens - seqs[i].num_cached) for i in rows]
+            ids, positions, meta, _ = runner.prepare(Batch([seqs[i] for i in rows], q_lens, 0))
+            logits = model.compute_logits(model(ids, positions, runner.kv_cache.layers, meta))
+            start = 0
+            for i, n in zip(rows, q_lens, strict=True):
+                logits_of[i].append(logits[start : start + n])
+                seqs[i].num_cached += n
+                start += n
+    for seq, exp, got in zip(seqs, expected, logits_of, strict=True):
         n = seq.num_prompt_tokens
-        torch.testing.assert_close(logits[start : start + n], exp[:n], atol=atol, rtol=0)
-        start += n
-        seq.num_cached = n
+        assert len(got) == (-(-n // chunk) if chunk else 1)
+        torch.testing.assert_close(torch.cat(got), exp[:n], atol=atol, rtol=0)
     # paged decode of the remaining tokens, one step at a time, all sequences batched
     for step in range(extra):
         for seq, ids in zip(seqs, full, strict=True):
             seq.output_ids.append(ids[seq.num_prompt_tokens + step])
-        out = runner.run(Batch(is_prefill=False, seqs=seqs))
+        out = runner.run(Batch.decode(seqs))
         for row, seq, exp in zip(out, seqs, expected, strict=True):
             torch.testing.assert_close(row, exp[seq.num_cached], atol=atol, rtol=0)
             seq.num_cached += 1
@@ -116,6 +129,13 @@ def _compare(tmp: Path, case: str, dtype: torch.dtype, atol: float, shard: bool 
 @pytest.mark.parametrize("case", list(CASES))
 def test_logits_match_transformers_fp32(case: str, tmp_path: Path) -> None:
     _compare(tmp_path, case, torch.float32, atol=2e-4)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", ["llama", "qwen3"])
+def test_chunked_prefill_logits_match_transformers_fp32(case: str, tmp_path: Path) -> None:
+    # chunks of 3 tokens: they split blocks of 4, and each continues a cached prefix
+    _compare(tmp_path, case, torch.float32, atol=2e-4, chunk=3)
 
 
 @pytest.mark.timeout(120)

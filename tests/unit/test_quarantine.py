@@ -19,7 +19,7 @@ from moriio_ray.transfer.handle import FutureTransfer
 from moriio_ray.worker.push import LayerPusher, push_targets
 from moriio_ray.worker.quarantine import Quarantine
 from tests.faults import LateWriteAgent
-from tests.unit.test_tp_transfer import Rank
+from tests.unit.test_tp_transfer import WHOLE, Rank
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -37,10 +37,10 @@ def test_a_settled_push_starts_no_more_writes_and_waits_for_those_started(pair: 
     p, d = pair
     late = LateWriteAgent(p.agent)  # writes are held until released
     pusher = LayerPusher(late, p.mem, p.layout, push_targets(p.layout, [d.desc]), [7, 8])
-    pusher.on_layer(0, [3, 4])
+    pusher.on_layer(0, WHOLE, [3, 4])
     assert len(late.held) == 1
     assert pusher.settle(0.2) is False  # the held write may still land
-    pusher.on_layer(1, [3, 4])  # the forward pass goes on: no write starts any more
+    pusher.on_layer(1, WHOLE, [3, 4])  # the forward pass goes on: no write starts any more
     assert len(late.held) == 1 and len(pusher.transfers) == 1
     assert late.release() == 1
     assert pusher.settle(0.2) is True
@@ -50,7 +50,7 @@ def test_no_push_starts_past_the_reservations_deadline(pair: tuple[Rank, Rank]) 
     p, d = pair
     targets = push_targets(p.layout, [d.desc])
     pusher = LayerPusher(p.agent, p.mem, p.layout, targets, [7, 8], time.time() - 0.01)
-    pusher.on_layer(0, [3, 4])
+    pusher.on_layer(0, WHOLE, [3, 4])
     assert pusher.transfers == []
     with pytest.raises(TransferTimeout, match="deadline passed before layer 0"):
         pusher.wait_all(1.0)

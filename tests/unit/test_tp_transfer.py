@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from moriio_ray.config import PoolConfig, RoleConfig, TransferConfig
+from moriio_ray.engine.batch import PrefillChunk
 from moriio_ray.errors import ConfigError, PeerLost, TransferTimeout
 from moriio_ray.runtime.engine_group import bundle, check_node_fit
 from moriio_ray.runtime.messages import Member, RankDesc, Role, WorkerInfo
@@ -32,6 +33,7 @@ from tests.contract.hooks import HoldingShmAgent
 pytestmark = pytest.mark.timeout(60)
 
 HEADS, NUM_BLOCKS = 2, 128
+WHOLE = PrefillChunk("r", 0, 32, 32)  # a two-block prompt (blocks of 16) in one chunk
 
 
 def layout(rank: int, tp: int) -> KVLayout:
@@ -139,10 +141,10 @@ def test_a_push_waits_for_the_last_layer(engines: dict[str, list[Rank]]) -> None
     assert [t.rank for t in targets] == [1]
     p[1].agent.connect(targets[0].engine_desc)  # as RankWorker.prepare_push does
     pusher = LayerPusher(p[1].agent, p[1].mem, p[1].layout, targets, [7, 8])
-    pusher.on_layer(0, [3, 4])
+    pusher.on_layer(0, WHOLE, [3, 4])
     with pytest.raises(TransferTimeout, match="pushed 1 of 2 layers"):
         pusher.wait_all(0.2)
-    later = threading.Timer(0.2, pusher.on_layer, (1, [3, 4]))
+    later = threading.Timer(0.2, pusher.on_layer, (1, WHOLE, [3, 4]))
     later.start()
     pusher.wait_all(10)  # returns once layer 1 is pushed and landed
     later.join()

@@ -25,15 +25,19 @@ def model_config() -> ModelConfig:
     return ModelConfig(preset="tiny", dtype="float32", seed=0)
 
 
-def engine_config(device: str = "cpu", num_blocks: int = 64) -> EngineConfig:
-    return EngineConfig(device=device, block_size=4, num_blocks=num_blocks, max_num_seqs=16)
+def engine_config(device: str = "cpu", num_blocks: int = 64, budget: int = 4096) -> EngineConfig:
+    return EngineConfig(
+        device=device, block_size=4, num_blocks=num_blocks, max_num_seqs=16, max_num_batched_tokens=budget
+    )
 
 
-def reference(prompts: list[list[int]], params: SamplingParams, device: str = "cpu") -> dict[str, Any]:
+def reference(
+    prompts: list[list[int]], params: SamplingParams, device: str = "cpu", budget: int = 4096
+) -> dict[str, Any]:
     """Tokens and the final KV cache of the same requests on one rank (TP = 1), in this process."""
     from moriio_ray.engine.engine import Engine
 
-    engine = Engine(model_config(), engine_config(device), role="colocated")
+    engine = Engine(model_config(), engine_config(device, budget=budget), role="colocated")
     return {"tokens": _run(engine, prompts, params)[0], "cache": engine.kv_cache.cpu().numpy().copy()}
 
 
@@ -49,7 +53,9 @@ def _run(engine: Any, prompts: list[list[int]], params: SamplingParams) -> tuple
     return [out[str(i)] for i in range(len(prompts))], steps
 
 
-def rank_main(rank: int, size: int, port: int, device: str, prompts: list[list[int]], results: Any) -> None:
+def rank_main(
+    rank: int, size: int, port: int, device: str, prompts: list[list[int]], results: Any, budget: int
+) -> None:
     """One rank's process: join, build, run (rank 0) or follow (the others), report."""
     try:
         import torch.distributed as dist
@@ -69,7 +75,8 @@ def rank_main(rank: int, size: int, port: int, device: str, prompts: list[list[i
         agent = create_agent(TransferConfig(backend=backend), key=f"tp-test-r{rank}")
         report: dict[str, Any] = {"rank": rank}
         if rank == 0:
-            engine = Engine(model_config(), engine_config(device), role="colocated", agent=agent, tp=tp)
+            config = engine_config(device, budget=budget)
+            engine = Engine(model_config(), config, role="colocated", agent=agent, tp=tp)
             report["graphs"] = engine.capture_graphs()
             params = SamplingParams(max_tokens=16, ignore_eos=True)
             report["tokens"], report["steps"] = _run(engine, prompts, params)
@@ -82,7 +89,8 @@ def rank_main(rank: int, size: int, port: int, device: str, prompts: list[list[i
             report["mem_bytes"] = engine.kv_mem.num_bytes if engine.kv_mem is not None else 0
             engine.close()  # STOP: the other ranks leave their loops
         else:
-            follower = RankEngine(model_config(), engine_config(device), role="colocated", tp=tp, agent=agent)
+            config = engine_config(device, budget=budget)
+            follower = RankEngine(model_config(), config, role="colocated", tp=tp, agent=agent)
             follower.follow()
             graphs = follower.parts.graphs
             report["steps"] = follower.num_steps
@@ -98,7 +106,7 @@ def rank_main(rank: int, size: int, port: int, device: str, prompts: list[list[i
 
 
 def run_ranks(
-    size: int, prompts: list[list[int]], device: str = "cpu", timeout_s: float = 90.0
+    size: int, prompts: list[list[int]], device: str = "cpu", timeout_s: float = 90.0, budget: int = 4096
 ) -> list[dict]:
     """Start ``size`` rank processes and collect their reports (rank order); fails on any error."""
     import torch.distributed as dist
@@ -107,7 +115,9 @@ def run_ranks(
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     procs = [
-        ctx.Process(target=rank_main, args=(r, size, store.port, device, prompts, results), daemon=True)
+        ctx.Process(
+            target=rank_main, args=(r, size, store.port, device, prompts, results, budget), daemon=True
+        )
         for r in range(size)
     ]
     for p in procs:

@@ -1,0 +1,157 @@
+"""Launching a step and reading it back: the device part of ``Engine.step``, and the outputs that
+end a request (a failure, a prefill engine's result with its lease).
+
+``launch`` runs a batch's forward pass and samples its rows on the device, moves the host state on
+as if the step had run (``num_cached``; each sampling row gets a pending token), and starts the one
+device-to-host copy of the step: the sampled ids, with their log probabilities' bits. ``InFlight``
+is the launched step; ``read`` waits for that copy (the step's only synchronisation).
+
+Overlapped scheduling launches step N+1 before reading step N back, so the host schedules and
+prepares N+1 while the device runs N: N+1 feeds N's tokens straight from the device. Blocks freed
+meanwhile may be reused at once by later steps (the device runs them in order); only a block
+handed to a transfer must wait until the device has stopped writing it (``InFlight.wait``, which
+``Engine.reserve`` calls).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+
+from moriio_ray.engine.admission import request_error
+from moriio_ray.engine.batch import Batch, PrefillChunk
+from moriio_ray.engine.block_allocator import BlockAllocator
+from moriio_ray.engine.outputs import PrefillResult, StepOutput
+from moriio_ray.engine.runner import ModelRunner
+from moriio_ray.engine.sampler import SamplingRow, row_key, sample_each_device
+from moriio_ray.engine.sequence import Sequence, blocks_for
+
+log = logging.getLogger(__name__)
+
+ChunkHook = Callable[[int, list[PrefillChunk]], None]
+
+
+@dataclasses.dataclass
+class Row:
+    """A sampling row of a launched step."""
+
+    seq: Sequence
+    generation: int  # the sequence's at launch: a preempted sequence's rows are stale
+    error: BaseException | None = None  # its sampling failed (the sequence ended at launch)
+
+
+@dataclasses.dataclass
+class InFlight:
+    """A launched step whose sampled tokens the host has not read yet."""
+
+    rows: list[Row]
+    tokens: torch.Tensor | None  # [R] int64 on the device: the next step's inputs read it
+    host: torch.Tensor | None  # [2, R] int32 (pinned on CUDA): token ids, log-probability bits
+    event: torch.cuda.Event | None
+    want_logprobs: bool
+    aborted: set[str] = dataclasses.field(default_factory=set)  # meanwhile: no output for them
+
+    def wait(self) -> None:
+        """Until the device has run the step (and its copy back): none of its writes is pending."""
+        if self.event is not None:
+            self.event.synchronize()
+
+    def read(self) -> tuple[list[int], list[float] | None]:
+        """The sampled ids and (if any row asked) log probabilities, once the copy has landed."""
+        if self.host is None:
+            return [], None
+        self.wait()
+        tokens: list[int] = self.host[0].tolist()
+        logprobs: list[float] | None = (
+            self.host[1].view(torch.float32).tolist() if self.want_logprobs else None
+        )
+        return tokens, logprobs
+
+
+def sampling_row(seq: Sequence) -> SamplingRow:
+    """The row that samples ``seq``'s next token (its output position counts the pending ones)."""
+    p = seq.params
+    position = seq.sample_offset + len(seq.output_ids) + seq.num_pending
+    key = row_key(seq.seed, position) if p.temperature > 0 else 0
+    return SamplingRow(p.temperature, p.top_k, p.top_p, key, p.logprobs)
+
+
+def launch(
+    batch: Batch,
+    runner: ModelRunner,
+    *,
+    hook: ChunkHook | None,
+    prev_tokens: torch.Tensor | None,
+    on_failure: Callable[[Sequence], None],
+) -> InFlight:
+    """Run ``batch`` and sample it on the device; ``on_failure`` ends a sequence whose own
+    sampling failed, at once."""
+    chunks = batch.prefill_chunks() if hook is not None and batch.num_decodes < len(batch.seqs) else []
+    layer_hook = (lambda i: hook(i, chunks)) if hook is not None and chunks else None
+    sampled = [seq for seq, s in zip(batch.seqs, batch.samples(), strict=True) if s]
+    sampling = [sampling_row(seq) for seq in sampled]
+    logits = runner.run(batch, layer_hook, prev_tokens)  # [R, vocab]
+    rows = [Row(seq, seq.generation) for seq in sampled]
+    for seq, n in zip(batch.seqs, batch.q_lens, strict=True):
+        seq.num_cached += n  # the host moves on as if the step had run
+    if not sampled:
+        return InFlight(rows, None, None, None, False)
+    tokens, logprobs, errors = sample_each_device(logits, sampling)
+    for i, (row, error) in enumerate(zip(rows, errors, strict=True)):
+        if error is not None:
+            row.error = error
+            on_failure(row.seq)
+        else:
+            row.seq.num_pending += 1
+            row.seq.pending_row = i
+    # the one copy back of the step: ids and log-probability bits side by side, as int32
+    bits = logprobs.view(torch.int32) if logprobs is not None else torch.zeros_like(tokens, dtype=torch.int32)
+    packed = torch.stack([tokens.to(torch.int32), bits])  # [2, R]
+    if packed.device.type == "cuda":
+        host = torch.empty(packed.shape, dtype=torch.int32, pin_memory=True)
+        host.copy_(packed, non_blocking=True)
+        event: torch.cuda.Event | None = torch.cuda.Event()
+        assert event is not None
+        event.record()
+    else:
+        host, event = packed, None
+    return InFlight(rows, tokens, host, event, logprobs is not None)
+
+
+def failure_output(seq: Sequence, exc: BaseException) -> StepOutput:
+    """The output that ends a request whose own sampling or stop checks raised ``exc``."""
+    log.warning("request %s failed in the engine: %r", seq.request_id, exc, exc_info=exc)
+    error = request_error(seq.request_id, exc)
+    return StepOutput(
+        request_id=seq.request_id, new_token_ids=[], finished=True, error=(type(error).__name__, str(error))
+    )
+
+
+def prefill_result(
+    allocator: BlockAllocator,
+    seq: Sequence,
+    block_size: int,
+    first_token: int,
+    first_logprob: float | None,
+    lease_s: float,
+    finish_reason: str | None,
+) -> PrefillResult:
+    """A prefill engine's result, its prompt's blocks leased for ``lease_s``; a first token that
+    already ends the request (``finish_reason``) leaves nothing to read and leases nothing."""
+    block_ids: list[int] = []
+    deadline_unix = 0.0
+    if finish_reason is None:
+        block_ids = seq.block_table[: blocks_for(seq.num_prompt_tokens, block_size)]
+        allocator.lease(seq.request_id, block_ids, time.monotonic() + lease_s)
+        deadline_unix = time.time() + lease_s
+    return PrefillResult(
+        block_ids=list(block_ids),
+        num_tokens=seq.num_prompt_tokens,
+        first_token=first_token,
+        lease_deadline_unix=deadline_unix,
+        first_logprob=first_logprob,
+    )
