@@ -124,6 +124,7 @@ class EngineConfig(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
     chunked_prefill: bool = True  # False: a prompt is prefilled in one step, past the budget if need be
     overlap_scheduling: bool | None = None  # None: on for CUDA engines, off on the CPU
     cuda_graphs: bool = True  # CUDA devices: decode steps replay graphs, captured before serving
+    kernels: str = "auto"  # auto | torch | triton: the CUDA forward (auto: Triton kernels where installed)
 
     def __post_init__(self) -> None:
         _choice(self, "device", ("auto", "cpu", "cuda"))
@@ -132,6 +133,7 @@ class EngineConfig(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
             _at_least(self, "num_blocks", 1)
         _fraction(self, "gpu_memory_fraction")
         _choice(self, "layout", LAYOUTS)
+        _choice(self, "kernels", ("auto", "torch", "triton"))
         _at_least(self, "max_num_seqs", 1)
         _at_least(self, "max_num_batched_tokens", 1)
         if self.max_num_batched_tokens < self.max_num_seqs:

@@ -110,9 +110,10 @@ class DecodeGraphs:
             num_decodes=bucket,
             context_lens=positions + 1,
             block_tables=tables,
-            decode_tables=tables,
-            decode_mask=decode_mask(positions + 1, width * self.block_size),
         )
+        if not self.model.fused:  # the torch path's mask (the Triton kernel reads the lengths)
+            meta.decode_tables = tables
+            meta.decode_mask = decode_mask(positions + 1, width * self.block_size)
         hidden = self.model(self.ids[:bucket], positions, self.kv_layers, meta)
         return self.model.compute_logits(hidden) if self.with_logits else hidden
 

@@ -109,6 +109,7 @@ class SwiGLU(nn.Module):
         tp: TPGroup = SINGLE,
     ) -> None:
         super().__init__()
+        self.act_name = hidden_act
         self.act = _GATE_ACTS[hidden_act]  # ModelArgs refuses any other value with a ConfigError
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
         self.down_proj = row_linear(intermediate_size, hidden_size, bias, tp)

@@ -15,6 +15,7 @@ from torch import nn
 
 from moriio_ray.engine.arch import ModelArgs
 from moriio_ray.engine.attention import AttnMetadata, attend, write_kv
+from moriio_ray.engine.fused_forward import fused_forward
 from moriio_ray.engine.layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary
 from moriio_ray.engine.tp import SINGLE, TPGroup, row_linear
 
@@ -107,6 +108,9 @@ class CausalLM(nn.Module):
         self.rotary = RotaryEmbedding(args.head_dim, max_positions, args.rope)
         tied = args.tie_word_embeddings
         self.lm_head = None if tied else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.eps = args.rms_norm_eps
+        # CUDA: the Triton forward (engine/fused_forward.py; build_rank sets it from engine.kernels)
+        self.fused = False
 
     def forward(
         self,
@@ -117,6 +121,8 @@ class CausalLM(nn.Module):
         layer_hook: LayerHook | None = None,
     ) -> torch.Tensor:
         # input_ids, positions [T] -> hidden [T, hidden_size]
+        if self.fused:
+            return fused_forward(self, input_ids, positions, kv_caches, meta, layer_hook)
         x = self.model.embed_tokens(input_ids)
         rotary = self.rotary(positions, x.dtype)
         for i, layer in enumerate(self.model.layers):

@@ -19,6 +19,7 @@ from moriio_ray.config import EngineConfig, ModelConfig
 from moriio_ray.engine.batch import PrefillChunk
 from moriio_ray.engine.cuda_graph import DecodeGraphs
 from moriio_ray.engine.device import resolve_device, resolve_dtype
+from moriio_ray.engine.fused_forward import use_triton
 from moriio_ray.engine.kv_cache import KVCache
 from moriio_ray.engine.loader import load_model, model_args, resolve_max_model_len
 from moriio_ray.engine.model import CausalLM
@@ -72,6 +73,7 @@ def build_rank(
     check_tp_size(args, tp.size)
     max_model_len = resolve_max_model_len(args, model.max_model_len)
     net = load_model(model, device, dtype, max_model_len, tp)
+    net.fused = use_triton(engine.kernels, device)
     # on CUDA, decode steps replay CUDA graphs; their padding rows write into one scratch block
     # (a prefill engine never decodes, so it needs none)
     use_graphs = cuda_graphs and device.type == "cuda" and role != "prefill"

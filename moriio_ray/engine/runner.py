@@ -66,9 +66,11 @@ class ModelRunner:
             start_pos=host.start_pos,
         )
         dtype = self.dtype
-        if nd:
+        if self.model.fused:  # the Triton kernels need none of the torch path's precomputation
+            pass
+        elif nd:
             self._plan_decodes(meta, host.decode_widths, host.start_pos, tables, context_lens)
-        if nd < num_rows:
+        if nd < num_rows and not self.model.fused:
             lens = cu[nd + 1 :] - cu[nd:-1]  # [rows] the prefill rows' new tokens
             meta.prefill = prefill_plan(
                 host.q_lens[nd:], host.start_pos[nd:], lens, tables[nd:], self.block_size, dtype
