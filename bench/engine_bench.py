@@ -261,6 +261,15 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     parser.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly on CUDA")
+    parser.add_argument(
+        "--kernels", default="auto", choices=["auto", "torch", "triton"], help="engine.kernels"
+    )
+    parser.add_argument(
+        "--baseline-kernels",
+        default="",
+        choices=["", "torch", "triton"],
+        help="also run an engine with these kernels, side by side (series engine-<kernels>)",
+    )
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     a = parser.parse_args()
     if a.threads:
@@ -276,9 +285,9 @@ def main() -> None:
         f"building engine: preset={a.preset} device={a.device} dtype={a.dtype} blocks={num_blocks}",
         flush=True,
     )
-    build_s, engine = timed(
-        torch.device("cpu"),
-        lambda: Engine(
+
+    def build(kernels: str) -> Engine:
+        return Engine(
             ModelConfig(preset=a.preset, dtype=a.dtype, max_model_len=a.prompt_len + a.decode_steps + 8),
             EngineConfig(
                 device=a.device,
@@ -287,13 +296,16 @@ def main() -> None:
                 layout=a.layout,
                 max_num_seqs=max_batch,
                 max_num_batched_tokens=max_batch * a.prompt_len,
+                kernels=kernels,
                 **({"overlap_scheduling": True} if a.overlap else {}),  # else the engine's default
             ),
             role="colocated",
             cuda_graphs=not a.no_cuda_graphs,
-        ),
-    )
+        )
+
+    build_s, engine = timed(torch.device("cpu"), lambda: build(a.kernels))
     print(f"  built in {build_s:.1f} s", flush=True)
+    baseline = build(a.baseline_kernels) if a.baseline_kernels else None
     hf = None if a.no_hf else hf_model(engine.args, engine.dtype, engine.device)
     load_before = os.getloadavg()  # other processes on the host distort CPU timings: keep a record
     results = []
@@ -301,6 +313,10 @@ def main() -> None:
         systems: dict[str, Callable[[int], dict[str, float]]] = {
             "engine": functools.partial(engine_run, engine, batch, a.prompt_len, a.decode_steps)
         }
+        if baseline is not None:
+            systems[f"engine-{a.baseline_kernels}"] = functools.partial(
+                engine_run, baseline, batch, a.prompt_len, a.decode_steps
+            )
         if hf is not None:
             systems["hf"] = functools.partial(hf_run, hf, batch, a.prompt_len, a.decode_steps, engine.device)
         print(f"batch {batch}: {' and '.join(systems)}, {a.repeats} turns each ...", flush=True)
