@@ -46,6 +46,7 @@ def _paged_attn_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block
     HEAD_DIM: tl.constexpr,
+    PRECISION: tl.constexpr,  # float32 caches: "ieee" (tl.dot would use TF32); else unused
 ):  # fmt: skip
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -82,7 +83,7 @@ def _paged_attn_kernel(
         v_ptr = V + block[:, None] * stride_vb + off[:, None] * stride_vo + kv_head * stride_vh + d[None, :]
         k = tl.load(k_ptr, mask=n_ok[:, None], other=0.0)  # [N, D]
         v = tl.load(v_ptr, mask=n_ok[:, None], other=0.0)  # [N, D]
-        s = tl.dot(q, tl.trans(k)) * scale  # [M, N] float32
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [M, N] float32
         seen = (n[None, :] <= pos[:, None]) & n_ok[None, :]
         s = tl.where(seen, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -90,7 +91,7 @@ def _paged_attn_kernel(
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     o_ptr = Out + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
@@ -161,5 +162,6 @@ def paged_attention(
         head_dim**-0.5,
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=tiles.block_q, BLOCK_N=block_n,
         BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )  # fmt: skip
     return out
