@@ -5,8 +5,11 @@ launch cost. Inputs live in static device buffers that every graph reads through
 padded up to its bucket with rows that read and write only a reserved scratch block, and the
 gathered context is padded up to a power of two (masked). Graphs are captured on first use and
 share one memory pool, which is safe because each replay's logits are consumed before the next.
-A step whose gathered K/V would exceed ``max_gather_bytes`` runs eagerly instead. Workers capture
-every graph before they serve (``capture_all``), so no request waits for a capture.
+A step whose gathered K/V would exceed ``max_gather_bytes`` runs eagerly instead. With the Triton
+kernels (``engine.kernels``) nothing is gathered: attention reads each row's own context through
+its table, so one width (the longest sequence's) serves every context and there is one graph per
+batch bucket. Workers capture every graph before they serve (``capture_all``), so no request waits
+for a capture.
 """
 
 from __future__ import annotations
@@ -92,6 +95,8 @@ class DecodeGraphs:
         bucket = next((b for b in self.buckets if b >= batch), None)
         if bucket is None:
             return None
+        if self.model.fused:  # the kernel reads only each row's context: any width will do
+            return bucket, self.max_width
         context = max(seq.num_cached for seq in seqs) + 1
         slots = max(MIN_CONTEXT_SLOTS, 1 << (context - 1).bit_length())
         width = min(-(-slots // self.block_size), self.max_width)
@@ -132,6 +137,8 @@ class DecodeGraphs:
 
     def keys(self) -> list[tuple[int, int]]:
         """Every (batch bucket, block-table width) a decode step can use, within the gather limit."""
+        if self.model.fused:
+            return [(bucket, self.max_width) for bucket in self.buckets]
         widths: list[int] = []
         slots = MIN_CONTEXT_SLOTS
         while True:
