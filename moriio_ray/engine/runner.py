@@ -37,6 +37,7 @@ class ModelRunner:
         self.block_size = kv_cache.layout.block_size
         self.dtype = model.model.embed_tokens.weight.dtype
         self.graphs = graphs
+        self.fused = model.fused  # the Triton forward reads none of the torch path's precomputation
 
     def prepare(
         self, batch: Batch, prev_tokens: torch.Tensor | None = None
@@ -66,11 +67,11 @@ class ModelRunner:
             start_pos=host.start_pos,
         )
         dtype = self.dtype
-        if self.model.fused:  # the Triton kernels need none of the torch path's precomputation
+        if self.fused:
             pass
         elif nd:
             self._plan_decodes(meta, host.decode_widths, host.start_pos, tables, context_lens)
-        if nd < num_rows and not self.model.fused:
+        if nd < num_rows and not self.fused:
             lens = cu[nd + 1 :] - cu[nd:-1]  # [rows] the prefill rows' new tokens
             meta.prefill = prefill_plan(
                 host.q_lens[nd:], host.start_pos[nd:], lens, tables[nd:], self.block_size, dtype

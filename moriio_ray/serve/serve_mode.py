@@ -23,8 +23,9 @@ Serve clusters on one host collide. Worse, each cluster gives its replicas' dire
 same range (30000-31000 unless ``RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT`` / ``_MAX_HTTP_PORT`` say
 otherwise) and a replica binds its port with SO_REUSEPORT, so two clusters' replicas can share a
 port and the kernel splits one cluster's connections between them (seen here: a SmolLM2 server's
-requests answered by a `tiny` one). ``isolated`` gives the tests' and benchmarks' private clusters
-free ports, a direct-port range and a directory of their own.
+requests answered by a `tiny` one); so does the fallback proxy behind HAProxy, on 8500 and 9500.
+``isolated`` gives the tests' and benchmarks' private clusters free ports, a direct-port range
+and a directory of their own.
 """
 
 from __future__ import annotations
@@ -46,7 +47,14 @@ FAST_ENV = {
     "RAY_SERVE_LOG_TO_STDERR": "1",
     "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "5",
 }
-HAPROXY_PORT_VARS = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT")
+# fixed ports a cluster binds: HAProxy's statistics and metrics, and the fallback proxy that HAProxy
+# sends a request to when no replica can take it (8500 and 9500 by default, bound with SO_REUSEPORT)
+HAPROXY_PORT_VARS = (
+    "RAY_SERVE_HAPROXY_STATS_PORT",
+    "RAY_SERVE_HAPROXY_METRICS_PORT",
+    "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT",
+    "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT",
+)
 # the replicas' direct ports: (first, last) variables per protocol, and how many a cluster gets
 DIRECT_PORT_RANGES = (
     ("RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT", "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"),

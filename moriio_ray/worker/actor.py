@@ -78,7 +78,8 @@ class EngineWorker:
             engine_desc=c.agent.engine_desc(),
             kv_mem=c.engine.kv_mem,
             layout=c.engine.layout,
-            max_model_len=c.engine.max_model_len,
+            # the longest request this engine can hold: the model's length, or its KV blocks' if fewer
+            max_model_len=min(c.engine.max_model_len, c.engine.allocator.num_blocks * c.engine.block_size),
             vocab_size=c.engine.args.vocab_size,
             same_host_only=c.agent.same_host_only,
             ranks=ranks,

@@ -132,12 +132,12 @@ def test_killing_one_rank_of_a_decode_group(pipelines: Pipelines, on_failure: st
     assert pipe.config.transfer.on_transfer_failure == on_failure
     victim = f"{name}-decode-0"
     params = SamplingParams(max_tokens=40, ignore_eos=True)
-    expected = colocated_tokens(varied_prompts(6, seed=7), params)
     try:
         epoch, info = _info(pipe, victim)
         rank1_pid = info.rank_descs()[1].engine_desc.pid
         out = pipe._sync(_run_until(pipe, params, 6, 3, lambda: os.kill(rank1_pid, signal.SIGKILL)))
         seen = list(out["seen"].values())  # in prompt order
+        expected = colocated_tokens([s["ids"] for s in seen], params)  # the prompts _run_until sent
         on_victim = [i for i, s in enumerate(seen) if victim in s["decode"]]
         assert on_victim, "no request was served by the group whose rank was killed"
         for i, s in enumerate(seen):

@@ -83,7 +83,7 @@ def test_paged_decode_matches_dense(layout: str) -> None:
 def _stub(dtype: torch.dtype = torch.float32) -> ModelRunner:
     """A runner holding only what ``prepare`` reads."""
     stub = ModelRunner.__new__(ModelRunner)
-    stub.device, stub.block_size, stub.dtype = torch.device("cpu"), BLOCK, dtype
+    stub.device, stub.block_size, stub.dtype, stub.fused = torch.device("cpu"), BLOCK, dtype, False
     return stub
 
 

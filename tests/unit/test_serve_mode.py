@@ -55,18 +55,20 @@ def test_isolated_gives_haproxy_free_ports_in_fast_mode_only() -> None:
         **FAST_ENV,
         "RAY_SERVE_HAPROXY_STATS_PORT": "40001",
         "RAY_SERVE_HAPROXY_METRICS_PORT": "40002",
-        # the replicas' direct ports, a range of the cluster's own (another cluster's replicas
-        # would share a port with SO_REUSEPORT and take this one's connections)
-        "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": "40003",
-        "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": "40019",
-        "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT": "40004",
-        "RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT": "40020",
+        # the fallback proxy and the replicas' direct ports are the cluster's own too: another
+        # cluster's would share a port with SO_REUSEPORT and take this one's connections
+        "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": "40003",
+        "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT": "40004",
+        "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": "40005",
+        "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": "40021",
+        "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT": "40006",
+        "RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT": "40022",
     }
     ServeDeploySchema.model_validate(fast)
     chosen = with_mode(DOC, "fast")
     chosen["controller_options"]["runtime_env"]["env_vars"]["RAY_SERVE_HAPROXY_STATS_PORT"] = "9999"
     env = controller_env(isolated(chosen, lambda: next(ports)))
-    assert env["RAY_SERVE_HAPROXY_STATS_PORT"] == "9999" and env["RAY_SERVE_HAPROXY_METRICS_PORT"] == "40005"
+    assert env["RAY_SERVE_HAPROXY_STATS_PORT"] == "9999" and env["RAY_SERVE_HAPROXY_METRICS_PORT"] == "40007"
     assert isolated(DOC, lambda: next(ports)) is DOC  # the default mode runs no HAProxy
 
 
