@@ -26,8 +26,10 @@ class Sequence:
 
     ``num_cached`` tokens have their K/V in the cache (it advances when a step is launched). While
     RUNNING, a sequence with ``num_cached < num_ahead - 1`` is still prefilling (each step feeds its
-    next chunk); then ``num_cached == num_ahead - 1``: every token but the last is cached, and the
-    next step feeds the last one. Under overlapped scheduling the newest ``num_pending`` tokens were
+    next chunk), and so is one whose last prompt token is not cached yet (a chunk that stopped one
+    token short: that token goes in a prefill chunk, which the layer hook sees, not as a decode);
+    then ``num_cached == num_ahead - 1``: every token but the last is cached, and the next step
+    feeds the last one. Under overlapped scheduling the newest ``num_pending`` tokens were
     sampled on the device and are not in ``output_ids`` yet: a step feeds the newest one straight
     from the device (row ``pending_row`` of the previous step's sampled tokens).
     """
@@ -64,7 +66,7 @@ class Sequence:
 
     @property
     def is_prefilling(self) -> bool:
-        return self.num_cached < self.num_ahead - 1
+        return self.num_cached < self.num_ahead - 1 or self.num_cached < len(self.prompt_ids)
 
     def token_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids

@@ -8,11 +8,14 @@ steps really happened, and that every block comes back.
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from engine_helpers import BLOCK_SIZE, disaggregated, run_to_end, tiny_engine, with_first
 
-from moriio_ray.engine.engine import Engine
+from moriio_ray.engine.batch import PrefillChunk
+from moriio_ray.engine.engine import Engine, StepOutput
 from moriio_ray.engine.sampling import SamplingParams
 
 pytestmark = pytest.mark.timeout(120)
@@ -169,6 +172,41 @@ def test_a_prefill_engine_leases_a_prompt_once_its_last_chunk_ran() -> None:
     assert prefill.stats()["num_used_blocks"] == 6
     prefill.abort("c")
     assert prefill.stats()["num_free_blocks"] == prefill.stats()["num_blocks"] and not prefill.has_work()
+
+
+@pytest.mark.parametrize("budget", [6, 22, 23])
+def test_the_layer_hook_sees_every_prompt_token_in_a_prefill_chunk(budget: int) -> None:
+    # 23 tokens: a budget of 22 (or 6: chunks of 6, 6, 6, 5, with a 1-token prompt beside it that
+    # takes one token of a step) can leave a prompt one token short of its end; that token is still
+    # a prompt token, fed in a prefill chunk that the hook sees (a WRITE push waits for the last one)
+    prefill = tiny_engine("prefill", max_num_seqs=4, max_num_batched_tokens=budget)
+    seen: dict[str, list[tuple[int, int]]] = {}
+
+    def hook(layer: int, chunks: list[PrefillChunk]) -> None:
+        for c in chunks:
+            if layer == 0:
+                seen.setdefault(c.request_id, []).append((c.start, c.end))
+
+    prefill.set_layer_hook(hook)
+    prompts = {"a": list(range(50, 73)), "b": [7], "c": list(range(10, 33))}
+    for rid, prompt in prompts.items():
+        prefill.add_request(rid, prompt, GREEDY)
+    finished = {o.request_id for o in run_to_end_outputs(prefill)}
+    assert finished == set(prompts)
+    for rid, prompt in prompts.items():
+        spans = seen[rid]
+        assert spans[0][0] == 0 and spans[-1][1] == len(prompt), (rid, spans)
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(spans)), (rid, spans)
+        assert PrefillChunk(rid, *spans[-1], len(prompt)).is_last
+
+
+def run_to_end_outputs(engine: Engine) -> list[StepOutput]:
+    outputs: list[StepOutput] = []
+    for _ in range(100):
+        outputs += engine.step()
+        if not engine.has_work():
+            return outputs
+    raise AssertionError("the engine did not finish in 100 steps")
 
 
 @pytest.mark.parametrize("overlap", [False, True])
