@@ -34,7 +34,9 @@ from tests.worker_faults import fail_next_step, live_callers, slow_steps
 
 NAME = "http-rules"
 P, D = f"{NAME}-prefill-0", f"{NAME}-decode-0"
-REQUEST_TIMEOUT_S = 6.0
+# a whole request's bound: the caller-death test's HTTP streams must outlive the wait for three
+# callers on D, which a loaded 2-core host stretches to several seconds
+REQUEST_TIMEOUT_S = 15.0
 TRANSFER_TIMEOUT_S = 2.0
 CONFIG = msgspec.structs.replace(
     # pings every second: at 0.25 s a loaded host misses two of them and a healthy worker is "dead"
@@ -172,11 +174,13 @@ def test_callers_that_die_have_their_requests_aborted(url: str, pool: Pool) -> N
         """
     )
     driver = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
-    streams = Streams(url, LONG, 12)
+    streams: Streams | None = None
     try:
+        # the driver first (its start takes seconds): the HTTP streams end at the request timeout
         line = driver.stdout.readline() if driver.stdout is not None else ""
         assert line.startswith("CALLER "), f"the driver did not start its streams: {line!r}"
         driver_caller = line.split()[1]
+        streams = Streams(url, LONG, 12)
         streams.wait_started(90)
         # both replicas (Serve spreads 12 streams) and the driver have requests on D
         try:
@@ -192,13 +196,19 @@ def test_callers_that_die_have_their_requests_aborted(url: str, pool: Pool) -> N
         killed_s = time.monotonic()
         os.kill(driver.pid, signal.SIGKILL)
         ray.kill(victim, no_restart=True)
+    except BaseException:
+        pool.call(D, slow_steps, 0.0)  # the next tests run at full speed
+        raise
     finally:
-        streams.close()  # the live replica's streams: cancelled at once; the dead one's are broken
+        if streams is not None:  # the live replica's streams: cancelled at once; the dead one's are broken
+            streams.close()
         driver.kill()
         driver.wait(30)
-    bound_s = CALLER_GONE_S + SLACK_S
-    wait_until(lambda: not pool.call(D, live_callers), bound_s, "D to abort the dead callers' requests")
-    pool.call(D, slow_steps, 0.0)
+    try:
+        bound_s = CALLER_GONE_S + SLACK_S
+        wait_until(lambda: not pool.call(D, live_callers), bound_s, "D to abort the dead callers' requests")
+    finally:
+        pool.call(D, slow_steps, 0.0)
     pool.assert_no_leaks()
     print(f"the dead callers' requests were aborted {time.monotonic() - killed_s:.1f} s after the kill")
     # Serve replaces the replica; the pipeline serves through both again
