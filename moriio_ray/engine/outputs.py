@@ -18,6 +18,7 @@ class PrefillResult(msgspec.Struct, frozen=True, kw_only=True):
     first_token: int
     lease_deadline_unix: float  # wall-clock time.time(): it travels to other processes
     first_logprob: float | None = None
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache, not computed
 
 
 class StepOutput(msgspec.Struct, kw_only=True):
