@@ -293,6 +293,7 @@ class Engine:
             finished=reason is not None,
             finish_reason=reason,
             logprobs=[logprob] if logprob is not None else None,
+            num_cached_tokens=seq.num_hit_tokens if len(seq.output_ids) == 1 else 0,
         )
         if seq.prefill_only:
             # a first token that already ends the request leaves nothing for a peer to read

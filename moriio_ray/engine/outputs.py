@@ -38,3 +38,4 @@ class StepOutput(msgspec.Struct, kw_only=True):
     logprobs: list[float] | None = None
     prefill: PrefillResult | None = None
     error: tuple[str, str] | None = None
+    num_cached_tokens: int = 0  # on a request's first output: prompt tokens found in the prefix cache
