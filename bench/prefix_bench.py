@@ -83,6 +83,7 @@ def measure(pipe: PDPipeline, prompts: list[list[int]], params: SamplingParams, 
     wall_s = time.perf_counter() - t0
     after = _cache_totals(pipe)
     ttft = [r.timings.ttft_s for r in results if r.timings.ttft_s is not None]
+    moved = [r.timings.transfer_bytes or 0 for r in results]
     hit_rate = {}
     for role in ("prefill", "decode"):
         hits = after[role]["num_hit_tokens"] - before[role]["num_hit_tokens"]
@@ -94,7 +95,8 @@ def measure(pipe: PDPipeline, prompts: list[list[int]], params: SamplingParams, 
         "ttft_p50_s": statistics.median(ttft),
         "ttft_p99_s": _quantile(ttft, 0.99),
         "output_tok_s": sum(len(r.token_ids) for r in results) / wall_s,
-        "transfer_bytes_per_request": sum(r.timings.transfer_bytes or 0 for r in results) / len(results),
+        "transfer_bytes_per_request": sum(moved) / len(results),
+        "transfer_bytes_p50": statistics.median(moved),  # a request after its group's first
         "cached_tokens_per_request": sum(r.num_cached_tokens for r in results) / len(results),
         "hit_rate_prefill": hit_rate["prefill"],
         "hit_rate_decode": hit_rate["decode"],
@@ -167,11 +169,9 @@ def ratios(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "reuse": on["reuse"],
                 "ttft_p50_off_over_on": off["ttft_p50_s"] / on["ttft_p50_s"],
                 "output_tok_s_on_over_off": on["output_tok_s"] / off["output_tok_s"],
-                "transfer_bytes_on_over_off": (
-                    on["transfer_bytes_per_request"] / off["transfer_bytes_per_request"]
-                    if off["transfer_bytes_per_request"]
-                    else None
-                ),
+                "transfer_bytes_on_over_off": on["transfer_bytes_per_request"]
+                / off["transfer_bytes_per_request"],
+                "transfer_bytes_p50_on_over_off": on["transfer_bytes_p50"] / off["transfer_bytes_p50"],
                 "tokens_equal": on["tokens_equal_cache_off"],
             }
         )
@@ -182,7 +182,8 @@ def _line(c: dict[str, Any]) -> str:
     return (
         f"[{c['mode']} cache={'on' if c['cache'] else 'off'} reuse={c['reuse']:.0%}] "
         f"TTFT p50 {c['ttft_p50_s'] * 1e3:.1f} ms, {c['output_tok_s']:.0f} tok/s, "
-        f"{c['transfer_bytes_per_request'] / 1024:.0f} KiB/request, hit rate P {c['hit_rate_prefill']:.0%} "
+        f"{c['transfer_bytes_per_request'] / 1024:.0f} KiB/request "
+        f"(p50 {c['transfer_bytes_p50'] / 1024:.0f}), hit rate P {c['hit_rate_prefill']:.0%} "
         f"D {c['hit_rate_decode']:.0%}"
     )
 
@@ -190,22 +191,25 @@ def _line(c: dict[str, Any]) -> str:
 def markdown(report: dict[str, Any]) -> str:
     rows = [
         "| mode | reuse | cache | TTFT p50 (ms) | TTFT p99 (ms) | output tok/s | KiB moved / request "
-        "| cached tokens / request | hit rate P / D |",
+        "(mean, p50) | cached tokens / request | hit rate P / D |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for c in report["cells"]:
         cache = "on" if c["cache"] else "off"
-        kib = c["transfer_bytes_per_request"] / 1024
+        kib = f"{c['transfer_bytes_per_request'] / 1024:.0f}, {c['transfer_bytes_p50'] / 1024:.0f}"
         hits = f"{c['hit_rate_prefill']:.0%} / {c['hit_rate_decode']:.0%}"
         rows.append(
             f"| {c['mode']} | {c['reuse']:.0%} | {cache} | {c['ttft_p50_s'] * 1e3:.1f} "
-            f"| {c['ttft_p99_s'] * 1e3:.1f} | {c['output_tok_s']:.0f} | {kib:.0f} "
+            f"| {c['ttft_p99_s'] * 1e3:.1f} | {c['output_tok_s']:.0f} | {kib} "
             f"| {c['cached_tokens_per_request']:.0f} | {hits} |"
         )
-    rows += ["", "| mode | reuse | TTFT p50 off/on | output tok/s on/off | bytes on/off | tokens equal |"]
-    rows.append("|---|---|---|---|---|---|")
+    rows += [
+        "",
+        "| mode | reuse | TTFT p50 off/on | output tok/s on/off | bytes on/off (mean, p50) | tokens equal |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in report["ratios"]:
-        moved = "-" if r["transfer_bytes_on_over_off"] is None else f"{r['transfer_bytes_on_over_off']:.3f}"
+        moved = f"{r['transfer_bytes_on_over_off']:.3f}, {r['transfer_bytes_p50_on_over_off']:.3f}"
         rows.append(
             f"| {r['mode']} | {r['reuse']:.0%} | {r['ttft_p50_off_over_on']:.2f}x "
             f"| {r['output_tok_s_on_over_off']:.3f} | {moved} | {r['tokens_equal']} |"
