@@ -5,7 +5,8 @@ share the first ``reuse`` fraction of each prompt (a long system prompt or a mul
 the rest of each prompt is its own. Requests go round-robin over the groups, ``--concurrency`` in
 flight (a closed loop), so the first request of each group finds nothing cached and the later ones
 find its prefix. For each mode (PD READ, PD WRITE) a fresh 1P1D pipeline on the tiny preset runs
-every reuse ratio with the cache off, then another with it on (the same prompts, in the same order).
+every reuse ratio with the cache off, and another with it on (the same prompts, in the same order),
+side by side: their cells alternate, ``--repeats`` rounds with fresh prompts each.
 
 Per (mode, cache, reuse): TTFT p50 / p99, output tok/s (output tokens over the workload's wall
 time), KV bytes moved per request (D's read in READ, P's pushes in WRITE), the prompt tokens P found
@@ -76,39 +77,58 @@ def _quantile(values: list[float], q: float) -> float:
 
 
 def measure(pipe: PDPipeline, prompts: list[list[int]], params: SamplingParams, concurrency: int) -> dict:
-    """Run ``prompts`` through ``pipe``; the cell's numbers."""
+    """Run ``prompts`` through ``pipe``; what each request and the workers' caches saw."""
     before = _cache_totals(pipe)
     t0 = time.perf_counter()
     results = pipe.generate_batch(prompts, params, max_concurrency=concurrency)
     wall_s = time.perf_counter() - t0
     after = _cache_totals(pipe)
-    ttft = [r.timings.ttft_s for r in results if r.timings.ttft_s is not None]
-    moved = [r.timings.transfer_bytes or 0 for r in results]
-    hit_rate = {}
-    for role in ("prefill", "decode"):
-        hits = after[role]["num_hit_tokens"] - before[role]["num_hit_tokens"]
-        queried = after[role]["num_queried_tokens"] - before[role]["num_queried_tokens"]
-        hit_rate[role] = hits / queried if queried else 0.0
+    deltas = {
+        f"{key}_{role}": after[role][key] - before[role][key]
+        for role in ("prefill", "decode")
+        for key in ("num_hit_tokens", "num_queried_tokens")
+    }
     return {
-        "num_requests": len(results),
         "wall_s": wall_s,
+        "ttft_s": [r.timings.ttft_s for r in results if r.timings.ttft_s is not None],
+        "moved": [r.timings.transfer_bytes or 0 for r in results],
+        "cached": [r.num_cached_tokens for r in results],
+        "tokens": [r.token_ids for r in results],
+        **deltas,
+    }
+
+
+def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One cell from its repeats: the requests pooled, tok/s over their summed wall time."""
+    ttft = [t for r in runs for t in r["ttft_s"]]
+    moved = [b for r in runs for b in r["moved"]]
+    tokens = [t for r in runs for t in r["tokens"]]
+
+    def rate(role: str) -> float:
+        queried = sum(r[f"num_queried_tokens_{role}"] for r in runs)
+        return sum(r[f"num_hit_tokens_{role}"] for r in runs) / queried if queried else 0.0
+
+    return {
+        "num_requests": len(tokens),
+        "wall_s": sum(r["wall_s"] for r in runs),
         "ttft_p50_s": statistics.median(ttft),
         "ttft_p99_s": _quantile(ttft, 0.99),
-        "output_tok_s": sum(len(r.token_ids) for r in results) / wall_s,
-        "transfer_bytes_per_request": sum(moved) / len(results),
+        "output_tok_s": sum(len(t) for t in tokens) / sum(r["wall_s"] for r in runs),
+        "transfer_bytes_per_request": sum(moved) / len(moved),
         "transfer_bytes_p50": statistics.median(moved),  # a request after its group's first
-        "cached_tokens_per_request": sum(r.num_cached_tokens for r in results) / len(results),
-        "hit_rate_prefill": hit_rate["prefill"],
-        "hit_rate_decode": hit_rate["decode"],
-        "tokens": [r.token_ids for r in results],
+        "cached_tokens_per_request": sum(c for r in runs for c in r["cached"]) / len(tokens),
+        "hit_rate_prefill": rate("prefill"),
+        "hit_rate_decode": rate("decode"),
+        "tokens": tokens,
     }
 
 
 def run(a: argparse.Namespace, tag: str, commit: str) -> dict[str, Any]:
+    """Per mode, the cache-off and cache-on pipelines side by side, the cells alternating between
+    them (``--repeats`` rounds, fresh prompts each), so that a change in the host's load meets both."""
     prompt_len, concurrency = a.prompt_lens[0], a.concurrency[0]
     params = SamplingParams(max_tokens=a.output_tokens, ignore_eos=True)
-    workloads = {r: prompts_for(r, prompt_len, a.groups, a.group_size, a.seed) for r in a.reuse}
-    warm = prompts_for(0.0, prompt_len, 2, 1, a.seed + 1)
+    warm = prompts_for(0.0, prompt_len, 2, 1, a.seed - 1)
     cells: list[dict[str, Any]] = []
     t_start = time.perf_counter()
     import ray
@@ -118,25 +138,38 @@ def run(a: argparse.Namespace, tag: str, commit: str) -> dict[str, Any]:
         address="local", num_cpus=4, namespace="moriio_ray", include_dashboard=False, log_to_driver=False
     )
     for mode in [m for m in MODES if m in a.modes]:
-        for cache in (False, True):
-            name = f"prefix-{mode}-{'on' if cache else 'off'}"
-            pipe = PDPipeline.launch(pipeline_config(name, mode, cache, prompt_len, concurrency))
-            try:
+        pipes = {
+            cache: PDPipeline.launch(
+                pipeline_config(
+                    f"prefix-{mode}-{'on' if cache else 'off'}", mode, cache, prompt_len, concurrency
+                )
+            )
+            for cache in (False, True)
+        }
+        try:
+            for pipe in pipes.values():
                 pipe.generate_batch(warm, params, max_concurrency=concurrency)  # unrecorded
-                for reuse, prompts in workloads.items():
-                    cell = measure(pipe, prompts, params, concurrency)
-                    cell.update(mode=mode, cache=cache, reuse=reuse)
-                    cells.append(cell)
-                    print(_line(cell), flush=True)
-            finally:
+            raw: dict[tuple[bool, float], list[dict[str, Any]]] = {}
+            for rep in range(a.repeats):
+                for reuse in a.reuse:
+                    prompts = prompts_for(reuse, prompt_len, a.groups, a.group_size, a.seed + rep)
+                    for cache, pipe in pipes.items():
+                        raw.setdefault((cache, reuse), []).append(measure(pipe, prompts, params, concurrency))
+            for (cache, reuse), runs in raw.items():
+                cell = summarize(runs)
+                cell.update(mode=mode, cache=cache, reuse=reuse)
+                cells.append(cell)
+                print(_line(cell), flush=True)
+        finally:
+            for pipe in pipes.values():
                 pipe.shutdown()
     for cell in cells:  # greedy tokens: the cache must not change one
         off = next(
             c for c in cells if (c["mode"], c["reuse"], c["cache"]) == (cell["mode"], cell["reuse"], False)
         )
-        cell["tokens_equal_cache_off"] = cell.pop("tokens") == off["tokens"] if cell["cache"] else True
+        cell["tokens_equal_cache_off"] = cell["tokens"] == off["tokens"]
     for cell in cells:
-        cell.pop("tokens", None)
+        del cell["tokens"]
     return {
         "benchmark": "serving_bench --workload shared-prefix",
         "tag": tag,
@@ -149,6 +182,7 @@ def run(a: argparse.Namespace, tag: str, commit: str) -> dict[str, Any]:
             "groups": a.groups,
             "group_size": a.group_size,
             "reuse": a.reuse,
+            "repeats": a.repeats,
         },
         "cells": cells,
         "ratios": ratios(cells),

@@ -114,6 +114,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--groups", type=int, default=4, help="shared-prefix: groups of requests sharing a prefix")
     p.add_argument("--group-size", type=int, default=6, help="shared-prefix: requests per group")
     p.add_argument("--modes", type=csv(str), default=["read", "write"], help="shared-prefix: read,write")
+    p.add_argument(
+        "--repeats", type=int, default=2, help="shared-prefix: rounds of cells, off and on alternating"
+    )
     return p
 
 
