@@ -12,10 +12,12 @@ import pytest
 import torch
 from engine_helpers import BLOCK_SIZE, copy_blocks, disaggregated, run_to_end, tiny_engine
 
+from moriio_ray.config import parse_pipeline_config
 from moriio_ray.engine.block_allocator import BlockAllocator
 from moriio_ray.engine.engine import Engine
 from moriio_ray.engine.prefix_cache import block_keys
 from moriio_ray.engine.sampling import SamplingParams
+from moriio_ray.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -54,6 +56,24 @@ def one_by_one(engine: Engine, prompts: list[list[int]], params: list[SamplingPa
 def kv_of(engine: Engine, blocks: list[int]) -> torch.Tensor:
     """The KV of ``blocks`` (layer-major: [layers, 2, blocks, ...]), copied."""
     return engine.kv_cache[:, :, blocks].clone()
+
+
+def test_the_config_key_is_on_by_default_and_checked() -> None:
+    assert parse_pipeline_config({"name": "x"}).engine.enable_prefix_caching is True
+    off = parse_pipeline_config({"name": "x", "engine": {"enable_prefix_caching": False}})
+    assert off.engine.enable_prefix_caching is False
+    with pytest.raises(ConfigError, match=r"engine\.enable_prefix_caching: Expected `bool`"):
+        parse_pipeline_config({"name": "x", "engine": {"enable_prefix_caching": "yes"}})
+    engine = tiny_engine(prefix_caching=False)
+    engine.add_request("a", list(range(40)), GREEDY)
+    run_to_end(engine)
+    engine.add_request("b", list(range(40)), GREEDY)
+    run_to_end(engine)
+    assert engine.prefix_cache_stats() == {
+        "num_cached_blocks": 0,
+        "num_queried_tokens": 0,
+        "num_hit_tokens": 0,
+    }
 
 
 def test_keys_name_the_whole_prefix() -> None:
