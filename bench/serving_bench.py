@@ -22,6 +22,7 @@ spent (the requests in flight finish), so a slow system yields fewer requests, n
 
     python bench/serving_bench.py                 # GPU (llama-1b): the full grid within --budget-s
     python bench/serving_bench.py                 # CPU (tiny): engine, colocated, pd-read; c=1,32
+    python bench/serving_bench.py --workload shared-prefix   # prefix cache on vs off (bench/prefix_bench.py)
 
 Writes bench/results/serving_<tag>.json (every request's numbers), .png and .md (the tables).
 """
@@ -102,6 +103,20 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--ray-logs", action="store_true", help="show the workers' logs on stdout")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     p.add_argument("--rewrite", type=Path, help="only redo the goals, tables and plot of this JSON")
+    p.add_argument(
+        "--workload",
+        default="grid",
+        choices=["grid", "shared-prefix"],
+        help="grid: the systems above; shared-prefix: PD with the prefix cache on vs off "
+        "(--prompt-lens and --concurrency: their first value; CPU defaults 1024 and 4)",
+    )
+    p.add_argument("--reuse", type=csv(float), default=[0.9, 0.0], help="shared-prefix: shared fraction")
+    p.add_argument("--groups", type=int, default=4, help="shared-prefix: groups of requests sharing a prefix")
+    p.add_argument("--group-size", type=int, default=6, help="shared-prefix: requests per group")
+    p.add_argument("--modes", type=csv(str), default=["read", "write"], help="shared-prefix: read,write")
+    p.add_argument(
+        "--repeats", type=int, default=2, help="shared-prefix: rounds of cells, off and on alternating"
+    )
     return p
 
 
@@ -169,6 +184,9 @@ def main() -> None:
         write(report, a.rewrite.parent, report["tag"])
         return
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a kill still runs the clean-up below
+    if a.workload == "shared-prefix":
+        shared_prefix(a)
+        return
     import torch
     import yaml
 
@@ -245,6 +263,17 @@ def main() -> None:
         run.report["elapsed_s"] = run.elapsed_s()
         run.report["environment"]["load_avg_1m_after"] = os.getloadavg()[0]
         write(run.report, a.out, tag)
+
+
+def shared_prefix(a: argparse.Namespace) -> None:
+    """The shared-prefix workload on the CPU (tiny preset): bench/prefix_bench.py."""
+    from bench import prefix_bench
+
+    a.prompt_lens = a.prompt_lens or [1024]
+    a.concurrency = a.concurrency or [4]
+    report = prefix_bench.run(a, a.tag or "cpu", a.commit or git_commit())
+    report["environment"] = environment("cpu")
+    prefix_bench.write(report, a.out)
 
 
 def write(report: dict[str, Any], out: Path, tag: str) -> None:

@@ -125,6 +125,7 @@ class EngineConfig(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
     overlap_scheduling: bool | None = None  # None: on for CUDA engines, off on the CPU
     cuda_graphs: bool = True  # CUDA devices: decode steps replay graphs, captured before serving
     kernels: str = "auto"  # auto | torch | triton: the CUDA forward (auto: Triton kernels where installed)
+    enable_prefix_caching: bool = True  # full blocks found again by their tokens, kept until evicted (LRU)
 
     def __post_init__(self) -> None:
         _choice(self, "device", ("auto", "cpu", "cuda"))

@@ -77,6 +77,16 @@ def _get() -> dict[str, Any] | None:
                 "leased_blocks": m.Gauge(
                     "moriio_leased_blocks", "Leased KV blocks of one engine", tag_keys=("worker", "role")
                 ),
+                "prefix_hit_rate": m.Gauge(
+                    "moriio_prefix_cache_hit_rate",
+                    "Prompt tokens found in one engine's prefix cache, over those looked up",
+                    tag_keys=("worker", "role"),
+                ),
+                "prefix_cached_blocks": m.Gauge(
+                    "moriio_prefix_cache_blocks",
+                    "KV blocks one engine's prefix cache holds (in use or parked)",
+                    tag_keys=("worker", "role"),
+                ),
             }
     return _metrics
 
@@ -123,3 +133,14 @@ def set_blocks(free: int, leased: int, *, worker: str, role: str) -> None:
     tags = {"worker": worker, "role": role}
     m["free_blocks"].set(free, tags=tags)
     m["leased_blocks"].set(leased, tags=tags)
+
+
+def set_prefix_cache(
+    hit_tokens: int, queried_tokens: int, cached_blocks: int, *, worker: str, role: str
+) -> None:
+    m = _get()
+    if m is None:
+        return
+    tags = {"worker": worker, "role": role}
+    m["prefix_hit_rate"].set(hit_tokens / queried_tokens if queried_tokens else 0.0, tags=tags)
+    m["prefix_cached_blocks"].set(cached_blocks, tags=tags)

@@ -91,7 +91,7 @@ class Engine:
         self.kv_mem = self.cache.mem
         self.layout = self.cache.layout
         self.block_size = engine.block_size
-        self.allocator = BlockAllocator(parts.num_blocks)
+        self.allocator = BlockAllocator(parts.num_blocks, prefix_caching=engine.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.allocator, engine.block_size, engine.max_num_seqs, engine.max_num_batched_tokens,
             self.max_model_len, engine.chunked_prefill,
@@ -164,20 +164,31 @@ class Engine:
         sample_offset: int = 0,
     ) -> list[int] | None:
         """Decode role: blocks for a prompt whose KV a transfer writes in; None if short right now.
+        With prefix caching the first ``cached_blocks(request_id)`` of them already hold the
+        prompt's KV (cached here): a transfer fills only the rest.
         With a step in flight (overlapped scheduling) it first waits until the device has run it."""
         with self._lock:
             if self.role == "prefill":
                 raise InvalidRequest("reserve: a prefill engine takes no injected KV; use a decode engine")
             self._check_request(request_id, prompt_token_ids, params)
-            need = blocks_for(len(prompt_token_ids), self.block_size)
-            if not self.allocator.can_allocate(need):
+            seq = new_sequence(request_id, prompt_token_ids, params, sample_offset, prefill_only=False)
+            # every full block of the prompt may be a hit: decoding writes from the prompt's end on
+            hits = self.scheduler.cached_prefix(seq, seq.num_prompt_tokens)
+            num_blocks = blocks_for(seq.num_prompt_tokens, self.block_size)
+            if not self.scheduler.fits(seq, hits, num_blocks):
                 return None
             if self._in_flight is not None:  # a freed block may still be written by the device
                 self._in_flight.wait()
-            seq = self._new_seq(request_id, prompt_token_ids, params, sample_offset)
+            self._seqs[request_id] = seq
             seq.state = SeqState.RESERVED
-            seq.block_table = self.allocator.allocate(need)
+            self.scheduler.take_blocks(seq, hits, num_blocks)
             return list(seq.block_table)
+
+    def cached_blocks(self, request_id: str) -> int:
+        """Decode role: how many of a reservation's blocks (the first ones) held the prompt's KV
+        already, from this engine's prefix cache; a transfer need not fill them."""
+        with self._lock:
+            return self._reserved(request_id).num_hit_tokens // self.block_size
 
     def _reserved(self, request_id: str) -> Sequence:
         seq = self._seqs.get(request_id)
@@ -194,6 +205,7 @@ class Engine:
         with self._lock:
             seq = self._join(request_id, first_token)
             seq.num_cached = seq.num_prompt_tokens
+            self.scheduler.register_computed(seq)  # the transfer has filled the prompt's blocks
             self._schedule_or_finish(seq)
 
     def recompute_reserved(self, request_id: str, first_token: int) -> None:
@@ -202,7 +214,8 @@ class Engine:
         re-emitted."""
         with self._lock:
             seq = self._join(request_id, first_token)
-            seq.num_cached = 0  # the next prefill feeds prompt + first token and samples the second
+            # the next prefill feeds prompt + first token past the cached blocks, and samples the second
+            seq.num_cached = seq.num_hit_tokens
             self._schedule_or_finish(seq)
 
     def _join(self, request_id: str, first_token: int) -> Sequence:
@@ -245,6 +258,8 @@ class Engine:
                 launched = launch(
                     batch, self.runner, hook=self._layer_hook, prev_tokens=prev, on_failure=self._drop
                 )
+                for seq in batch.seqs:  # their KV is computed (queued on the device, in order)
+                    self.scheduler.register_computed(seq)
             done, self._in_flight = (self._in_flight, launched) if self.overlap else (launched, None)
             if done is not None:
                 outputs += self._read_back(done)
@@ -278,6 +293,7 @@ class Engine:
             finished=reason is not None,
             finish_reason=reason,
             logprobs=[logprob] if logprob is not None else None,
+            num_cached_tokens=seq.num_hit_tokens if len(seq.output_ids) == 1 else 0,
         )
         if seq.prefill_only:
             # a first token that already ends the request leaves nothing for a peer to read
@@ -356,6 +372,16 @@ class Engine:
                 "num_waiting": len(self.scheduler.waiting),
                 "num_reserved": sum(s.state is SeqState.RESERVED for s in self._seqs.values()),
                 "num_preemptions": self.scheduler.num_preemptions,
+            }
+
+    def prefix_cache_stats(self) -> dict[str, int]:
+        """Prefix caching: cached blocks (referenced or parked), and prompt tokens looked up and
+        found cached at their requests' first admission (reservations on a decode engine included)."""
+        with self._lock:
+            return {
+                "num_cached_blocks": self.allocator.num_cached,
+                "num_queried_tokens": self.scheduler.num_queried_tokens,
+                "num_hit_tokens": self.scheduler.num_hit_tokens,
             }
 
     def set_layer_hook(self, hook: LayerHook | None) -> None:

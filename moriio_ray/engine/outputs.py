@@ -18,6 +18,7 @@ class PrefillResult(msgspec.Struct, frozen=True, kw_only=True):
     first_token: int
     lease_deadline_unix: float  # wall-clock time.time(): it travels to other processes
     first_logprob: float | None = None
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache, not computed
 
 
 class StepOutput(msgspec.Struct, kw_only=True):
@@ -37,3 +38,4 @@ class StepOutput(msgspec.Struct, kw_only=True):
     logprobs: list[float] | None = None
     prefill: PrefillResult | None = None
     error: tuple[str, str] | None = None
+    num_cached_tokens: int = 0  # on a request's first output: prompt tokens found in the prefix cache

@@ -11,6 +11,12 @@ not fit the remaining budget waits, unless the step holds no prefill yet (then i
 
 Sequences whose KV was injected (a decode engine's ``start_decode``) join the running set at once
 and decode in the same step.
+
+Prefix caching (the allocator has a ``PrefixCache``): an admitted sequence starts from the cached
+blocks of the longest prefix of its tokens, short of its last token (a step must feed at least one
+token, and never into a block found in the cache), and prefills the rest. ``register_computed``
+registers each full block once its KV is computed: a sequence aborted part-way leaves only complete
+blocks behind.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import collections
 
 from moriio_ray.engine.batch import Batch
 from moriio_ray.engine.block_allocator import BlockAllocator
+from moriio_ray.engine.prefix_cache import ROOT_KEY, block_keys
 from moriio_ray.engine.sequence import SeqState, Sequence, blocks_for
 
 
@@ -43,6 +50,8 @@ class Scheduler:
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: collections.deque[Sequence] = collections.deque()  # oldest first
         self.num_preemptions = 0
+        self.num_queried_tokens = 0  # prefix caching: prompt tokens looked up at first admission
+        self.num_hit_tokens = 0  # of which found cached
 
     def add(self, seq: Sequence) -> None:
         """Queue a sequence for prefill, or (KV injected) for a place in the running set."""
@@ -56,7 +65,7 @@ class Scheduler:
         if not self.waiting:
             return False
         head = self.waiting[0]
-        return head.num_cached > 0 or self.allocator.can_allocate(self._blocks_needed(head))
+        return head.num_cached > 0 or self._admission(head) is not None
 
     def schedule(self) -> Batch | None:
         self._join_injected()
@@ -73,13 +82,15 @@ class Scheduler:
                 budget -= n
         while budget > 0 and self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            remaining = seq.num_ahead - seq.num_cached
+            hits = self._admission(seq)
+            if hits is None:
+                break
+            remaining = seq.num_ahead - max(seq.num_cached, len(hits) * self.block_size)
             if not self.chunked_prefill and remaining > budget and len(seqs) > len(decodes):
                 break  # unsplit prompts: it waits for a step with room
-            need = self._blocks_needed(seq)
-            if not self.allocator.can_allocate(need):
-                break
-            seq.block_table += self.allocator.allocate(need)
+            self.take_blocks(seq, hits, blocks_for(seq.num_ahead, self.block_size))
+            if hits:
+                seq.num_cached = len(hits) * self.block_size
             self.waiting.popleft()
             seq.state = SeqState.RUNNING
             self.running.append(seq)
@@ -91,6 +102,60 @@ class Scheduler:
 
     def _blocks_needed(self, seq: Sequence) -> int:
         return blocks_for(seq.num_ahead, self.block_size) - len(seq.block_table)
+
+    def _admission(self, seq: Sequence) -> list[int] | None:
+        """The cached blocks a waiting sequence would start from, if the free blocks let it in now;
+        None if they do not. A sequence holding blocks already (a reserved recompute) finds none."""
+        hits = self.cached_prefix(seq, seq.num_ahead - 1) if not seq.block_table else []
+        return hits if self.fits(seq, hits, blocks_for(seq.num_ahead, self.block_size)) else None
+
+    def fits(self, seq: Sequence, hits: list[int], num_blocks: int) -> bool:
+        """Whether ``seq`` can hold ``num_blocks`` blocks now, ``hits`` among them."""
+        need = num_blocks - len(seq.block_table) - len(hits)
+        return self.allocator.can_allocate(need + self.allocator.acquire_cost(hits))
+
+    def cached_prefix(self, seq: Sequence, max_tokens: int) -> list[int]:
+        """The cached blocks of the longest prefix of ``seq``'s tokens, within ``max_tokens``."""
+        if self.allocator.cache is None:
+            return []
+        num_blocks = min(max_tokens, seq.num_tokens) // self.block_size
+        self._extend_keys(seq, num_blocks)
+        return self.allocator.match(seq.block_keys[:num_blocks])
+
+    def take_blocks(self, seq: Sequence, hits: list[int], num_blocks: int) -> None:
+        """Give ``seq`` its blocks up to ``num_blocks``: ``hits`` (referenced again), then new ones
+        (``fits`` said they are there). Its first admission counts towards the hit rate."""
+        if hits:
+            self.allocator.acquire(hits)
+            seq.block_table = list(hits)
+            seq.num_registered = len(hits)
+        seq.block_table += self.allocator.allocate(num_blocks - len(seq.block_table))
+        if not seq.admitted and self.allocator.cache is not None:
+            seq.admitted = True
+            seq.num_hit_tokens = len(hits) * self.block_size
+            self.num_queried_tokens += seq.num_prompt_tokens
+            self.num_hit_tokens += seq.num_hit_tokens
+
+    def register_computed(self, seq: Sequence) -> None:
+        """Register ``seq``'s full blocks whose KV is now computed (or transferred in) and whose
+        tokens the host knows (an overlapped step's pending token is not known yet)."""
+        if self.allocator.cache is None:
+            return
+        num_full = min(seq.num_cached, seq.num_tokens, len(seq.block_table) * self.block_size)
+        num_full //= self.block_size
+        if num_full <= seq.num_registered:
+            return
+        self._extend_keys(seq, num_full)
+        for i in range(seq.num_registered, num_full):
+            self.allocator.register(seq.block_table[i], seq.block_keys[i])
+        seq.num_registered = num_full
+
+    def _extend_keys(self, seq: Sequence, num_blocks: int) -> None:
+        keys = seq.block_keys
+        if len(keys) < num_blocks:
+            start = len(keys) * self.block_size
+            tokens = seq.tokens(start, (num_blocks - len(keys)) * self.block_size)
+            keys += block_keys(tokens, self.block_size, keys[-1] if keys else ROOT_KEY)
 
     def _join_injected(self) -> None:
         """Waiting sequences whose prompt KV is in place join the running set (they decode now)."""
@@ -155,5 +220,6 @@ class Scheduler:
         seq.state = SeqState.FINISHED
 
     def _free_blocks(self, seq: Sequence) -> None:
-        self.allocator.free(seq.block_table)
+        self.allocator.free(seq.block_table[::-1])  # the tail is evicted before the head
         seq.block_table = []
+        seq.num_registered = 0

@@ -49,6 +49,13 @@ class Sequence:
     pending_row: int = -1
     # bumped when the sequence is preempted: rows of a step launched before then are discarded
     generation: int = 0
+    # prefix caching: the keys of its full blocks of known tokens so far (token-based, so they
+    # survive a preemption), how many of ``block_table`` are registered (or were hits), and the
+    # prompt tokens its first admission found cached (what its reply reports as cached)
+    block_keys: list[bytes] = dataclasses.field(default_factory=list)
+    num_registered: int = 0
+    num_hit_tokens: int = 0
+    admitted: bool = False
 
     @property
     def num_tokens(self) -> int:

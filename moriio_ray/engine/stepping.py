@@ -154,4 +154,5 @@ def prefill_result(
         first_token=first_token,
         lease_deadline_unix=deadline_unix,
         first_logprob=first_logprob,
+        num_cached_tokens=seq.num_hit_tokens,
     )

@@ -37,6 +37,7 @@ from moriio_ray.runtime.messages import (
     Handoff,
     Member,
     PeerRef,
+    PushResult,
     RequestOutput,
     Reservation,
     Timings,
@@ -148,7 +149,9 @@ class Flows:
         done = False
         try:
             ref = c.actor.generate.remote(req, streams.caller_id)
-            first = _merge([await self._call(c, ref, "generate", state)])
+            out: RequestOutput = await self._call(c, ref, "generate", state)
+            state.timings.cached_tokens = out.num_cached_tokens
+            first = _merge([out])
             done = first.finished
             yield first
             if done:
@@ -200,8 +203,10 @@ class Flows:
                 req, state, pick, lambda p: mode.call(p, req, reservation, d), asked
             )
             state.timings.prefill_s = result.prefill_s
-            if isinstance(result, msgspec.Struct) and hasattr(result, "push_wait_s"):
+            state.timings.cached_tokens = result.num_cached_tokens
+            if isinstance(result, PushResult):  # WRITE: what P pushed (D's cached blocks excepted)
                 state.timings.push_wait_s = result.push_wait_s
+                state.timings.transfer_bytes = result.num_bytes
             # 5. The first token, from P's result.
             done = result.finish_reason is not None
             yield TokenChunk([result.first_token], _lp(result.first_logprob), result.finish_reason)

@@ -85,6 +85,7 @@ class KVHandle(msgspec.Struct, frozen=True, kw_only=True):
     epoch: int
     block_ids: list[int]  # empty when the first token already ended the request (nothing leased)
     num_tokens: int
+    num_cached_tokens: int = 0  # prompt tokens P found in its prefix cache (not computed)
     first_token: int
     first_logprob: float | None
     lease_deadline_unix: float
@@ -101,6 +102,7 @@ class Reservation(msgspec.Struct, frozen=True, kw_only=True):
     epoch: int
     block_ids: list[int]
     deadline_unix: float
+    num_cached_blocks: int = 0  # the first blocks already hold the prompt's KV (D's prefix cache)
 
 
 class PushResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -115,6 +117,7 @@ class PushResult(msgspec.Struct, frozen=True, kw_only=True):
     num_bytes: int
     num_segments: int
     finish_reason: str | None = None
+    num_cached_tokens: int = 0  # prompt tokens P found in its prefix cache (not computed)
 
 
 Handoff = KVHandle | PushResult  # what P hands to D
@@ -147,6 +150,7 @@ class RequestOutput(msgspec.Struct, array_like=True):
     logprobs: list[float] | None = None
     finish_reason: str | None = None  # set on the last output of a request
     error: tuple[str, str] | None = None  # (typed error class name, message): the request failed
+    num_cached_tokens: int = 0  # colocated, on the first output: prompt tokens found cached
 
     @property
     def finished(self) -> bool:
@@ -185,6 +189,7 @@ class Timings(msgspec.Struct, kw_only=True, omit_defaults=True):
     handoff_rpc_s: float | None = None  # of which: P's result travelling to D
     handoff_local_s: float | None = None  # of which: D's own work around the transfer
     recomputed: bool = False
+    cached_tokens: int | None = None  # prompt tokens the prefilling engine found in its prefix cache
 
     def add_handoff(self, prefill_done_unix: float, start: DecodeStart) -> None:
         """Split the time between P's first token and D's first step into its parts."""

@@ -18,6 +18,7 @@ class StreamEvent(msgspec.Struct, kw_only=True):
     logprobs: list[float] | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (known from the first event)
     timings: Timings | None = None  # on the last event
     prefill_worker: str | None = None
     decode_worker: str | None = None
@@ -32,6 +33,7 @@ class GenerationResult(msgspec.Struct, kw_only=True):
     finish_reason: str | None
     num_prompt_tokens: int
     logprobs: list[float] | None = None
+    num_cached_tokens: int = 0  # of the prompt, found in the prefix cache
     timings: Timings = msgspec.field(default_factory=Timings)
     prefill_worker: str | None = None
     decode_worker: str | None = None

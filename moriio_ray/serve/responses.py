@@ -25,17 +25,23 @@ def sse(obj: Any) -> bytes:
     return b"data: " + msgspec.json.encode(obj) + b"\n\n"
 
 
+class PromptTokensDetails(msgspec.Struct, kw_only=True):
+    cached_tokens: int  # prompt tokens found in the prefix cache, not computed again
+
+
 class Usage(msgspec.Struct, kw_only=True):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
 
 
-def usage(num_prompt_tokens: int, num_output_tokens: int) -> Usage:
+def usage(num_prompt_tokens: int, num_output_tokens: int, num_cached_tokens: int = 0) -> Usage:
     return Usage(
         prompt_tokens=num_prompt_tokens,
         completion_tokens=num_output_tokens,
         total_tokens=num_prompt_tokens + num_output_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached_tokens),
     )
 
 

@@ -41,6 +41,7 @@ class EventLike(Protocol):
     logprobs: list[float] | None
     num_prompt_tokens: int
     num_output_tokens: int
+    num_cached_tokens: int
 
 
 @dataclass
@@ -54,6 +55,7 @@ class Merged:
     finish_reason: str | None
     num_prompt_tokens: int
     num_output_tokens: int
+    num_cached_tokens: int
 
 
 def merge(events: Sequence[EventLike]) -> Merged:
@@ -75,6 +77,7 @@ def merge(events: Sequence[EventLike]) -> Merged:
         finish_reason=last.finish_reason if last.finished else None,
         num_prompt_tokens=last.num_prompt_tokens,
         num_output_tokens=last.num_output_tokens,
+        num_cached_tokens=last.num_cached_tokens,
     )
 
 
@@ -121,7 +124,7 @@ async def whole_body(fmt: Format, first: EventLike, events: AsyncIterator[Any], 
     while not pending[-1].finished:
         pending.append(await deadline.next(events))
     out = merge(pending)
-    use = usage(out.num_prompt_tokens, out.num_output_tokens)
+    use = usage(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens)
     return fmt.whole(out.text, out.token_ids, out.logprobs, out.finish_reason, use)
 
 
@@ -151,7 +154,9 @@ async def sse_frames(
                 break
             batch = await next_batch(events, deadline, interval, pending)
         if include_usage:
-            yield fmt.usage_chunk(usage(batch.num_prompt_tokens, batch.num_output_tokens))
+            yield fmt.usage_chunk(
+                usage(batch.num_prompt_tokens, batch.num_output_tokens, batch.num_cached_tokens)
+            )
     except Exception as exc:
         if pending:
             part = merge(pending)

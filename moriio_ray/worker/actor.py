@@ -115,7 +115,15 @@ class EngineWorker:
     async def stats(self) -> dict[str, Any]:
         c = self.core
         stats: dict[str, Any] = await c.loop.call(c.engine.stats)
+        cache: dict[str, int] = await c.loop.call(c.engine.prefix_cache_stats)
         metrics.set_blocks(stats["num_free_blocks"], stats["num_leased_blocks"], worker=c.key, role=self.role)
+        metrics.set_prefix_cache(
+            cache["num_hit_tokens"],
+            cache["num_queried_tokens"],
+            cache["num_cached_blocks"],
+            worker=c.key,
+            role=self.role,
+        )
         reserved = sum(rec.reservation is not None for rec in c.table.records())
         return {
             "key": c.key,
@@ -130,6 +138,7 @@ class EngineWorker:
             "quarantined_requests": len(c.quarantine),
             "expired_leases": c.loop.expired_leases,
             **stats,
+            "prefix_cache": cache,
             **c.counters,
         }
 
@@ -187,7 +196,13 @@ class EngineWorker:
             raise
         finally:
             rec.task = None
-        return RequestOutput(req.request_id, out.new_token_ids, out.logprobs, out.finish_reason)
+        return RequestOutput(
+            req.request_id,
+            out.new_token_ids,
+            out.logprobs,
+            out.finish_reason,
+            num_cached_tokens=out.num_cached_tokens,
+        )
 
     # -- prefill --------------------------------------------------------------------------------
 

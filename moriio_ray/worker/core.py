@@ -254,17 +254,21 @@ class WorkerCore:
 
         self.spawn(release(), detach=True)
 
-    async def reserve_blocks(self, req: GenRequest, engine_id: str, deadline_s: float) -> list[int]:
+    async def reserve_blocks(
+        self, req: GenRequest, engine_id: str, deadline_s: float
+    ) -> tuple[list[int], int]:
         """Reserve blocks for ``req``; wait for the engine to free some, up to ``deadline_s``
-        (monotonic)."""
+        (monotonic). (the blocks, how many of the first ones hold the prompt's KV already)"""
+
+        def reserve() -> tuple[list[int], int] | None:
+            e = self.engine
+            blocks = e.reserve(engine_id, req.prompt_token_ids, req.params, sample_offset=req.sample_offset)
+            return None if blocks is None else (blocks, e.cached_blocks(engine_id))
+
         while True:
-            blocks = await self.loop.call_now(
-                lambda: self.engine.reserve(
-                    engine_id, req.prompt_token_ids, req.params, sample_offset=req.sample_offset
-                )
-            )
-            if blocks is not None:
-                return list(blocks)
+            reserved = await self.loop.call_now(reserve)
+            if reserved is not None:
+                return reserved
             if time.monotonic() >= deadline_s:
                 raise DeadlineExceeded(
                     f"{self.key}: no free KV blocks for {req.request_id} before its deadline"

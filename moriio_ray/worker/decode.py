@@ -1,8 +1,11 @@
 """D's part of a worker: wait for P's hand-over, bring the prompt's KV in, join the decode batch.
 
 READ: reserve blocks, plan one coalesced batch of segments, issue one read inside P's lease
-(never past ``lease deadline - read_margin_s``), start decoding, release P's lease. A read that
-fails or runs late recomputes the prompt here (``on_transfer_failure: recompute``) or ends the
+(never past ``lease deadline - read_margin_s``), start decoding, release P's lease. With prefix
+caching the reservation starts with the blocks D holds already (its own cached prefix): the read
+covers only the rest, the tail, and a prompt D holds whole needs no read at all (P's lease is
+released at once). D's blocks and P's are the prompt's blocks on both sides, so their counts agree.
+A read that fails or runs late recomputes the prompt here (``on_transfer_failure: recompute``) or ends the
 request with its typed error (``fail``); blocks that a read still in flight may write are
 quarantined until it has ended, also when the request is cancelled mid-read, and P's lease is
 released only then (the read may still be reading P's blocks).
@@ -65,7 +68,7 @@ class DecodeSide:
         rec.task = asyncio.current_task()
         try:
             deadline_s = time.monotonic() + c.config.runtime.remote_timeout_s
-            blocks = await c.reserve_blocks(req, rec.engine_id, deadline_s)
+            blocks, held = await c.reserve_blocks(req, rec.engine_id, deadline_s)
             rec.check_cancelled()
         except BaseException:
             c.discard(rec)
@@ -78,6 +81,7 @@ class DecodeSide:
             epoch=c.epoch,
             block_ids=blocks,
             deadline_unix=time.time() + c.config.transfer.kv_lease_s,
+            num_cached_blocks=held,
         )
         grace_s = c.config.transfer.kv_lease_s + c.config.transfer.lease_grace_s
         asyncio.get_running_loop().call_later(grace_s, self._expire, rec)
@@ -144,17 +148,25 @@ class DecodeSide:
         try:
             # blocks: wait for them at most until the lease would end; later the read may not start
             until_s = time.monotonic() + max(0.0, limit_unix - time.time())
-            blocks = await c.reserve_blocks(req, rec.engine_id, until_s)
+            blocks, held = await c.reserve_blocks(req, rec.engine_id, until_s)
+            if len(blocks) != len(h.block_ids):
+                raise TransferError(
+                    f"{c.key} reserved {len(blocks)} blocks for {h.transfer_id}, P leased {len(h.block_ids)}"
+                )
             peer = await c.peers.get(h.engine_key, h.epoch)
-            assert c.engine.kv_mem is not None
-            pulls = plan_pulls(await self._ranks(), peer.info.rank_descs(), blocks, h.block_ids)
-            remaining_s = limit_unix - time.time()
-            if remaining_s <= 0:
-                raise TransferTimeout(f"the lease of {h.transfer_id} on {h.engine_key} ends before the read")
             t0 = time.perf_counter()
-            wait_s = min(cfg.timeout_s, remaining_s)
-            xfer = start_pull(c.agent, c.engine.kv_mem, pulls, c.group, cfg.timeout_s + cfg.lease_grace_s)
-            await _wait(xfer, wait_s)
+            if held < len(blocks):  # read only the tail that D's cache lacks
+                assert c.engine.kv_mem is not None
+                tail = (blocks[held:], h.block_ids[held:])
+                pulls = plan_pulls(await self._ranks(), peer.info.rank_descs(), *tail)
+                remaining_s = limit_unix - time.time()
+                if remaining_s <= 0:
+                    raise TransferTimeout(
+                        f"the lease of {h.transfer_id} on {h.engine_key} ends before the read"
+                    )
+                timeout_s = cfg.timeout_s + cfg.lease_grace_s
+                xfer = start_pull(c.agent, c.engine.kv_mem, pulls, c.group, timeout_s)
+                await _wait(xfer, min(cfg.timeout_s, remaining_s))
             transfer_s = time.perf_counter() - t0
         except asyncio.CancelledError:
             # a read still running may still read P's blocks: P's lease goes once it has ended
@@ -168,6 +180,8 @@ class DecodeSide:
             started_unix = time.time()  # the engine decodes it from here (the release is not in it)
         finally:  # the read has ended: P's lease goes, whatever happens to the start (a cancel)
             send(peer.actor.release, h.transfer_id)  # after the hand-over: off the critical path
+        if xfer is None:  # D held the whole prompt: nothing moved
+            return DecodeStart(handoff_unix=handoff_unix, decode_start_unix=started_unix)
         start = DecodeStart(
             handoff_unix=handoff_unix,
             decode_start_unix=started_unix,

@@ -52,6 +52,7 @@ class PrefillSide:
                 epoch=c.epoch,
                 block_ids=pre.block_ids,
                 num_tokens=pre.num_tokens,
+                num_cached_tokens=pre.num_cached_tokens,
                 first_token=pre.first_token,
                 first_logprob=pre.first_logprob,
                 lease_deadline_unix=pre.lease_deadline_unix,
@@ -81,21 +82,26 @@ class PrefillSide:
             d_ranks = peer.info.rank_descs()
             targets = push_targets(c.engine.layout, d_ranks)
             last_push_unix = reservation.deadline_unix - c.config.transfer.read_margin_s
+            held = reservation.num_cached_blocks  # D holds these: P pushes only the rest
+            dest = reservation.block_ids
             rec.pusher = pusher = LayerPusher(
-                c.agent, c.engine.kv_mem, c.engine.layout, targets, reservation.block_ids, last_push_unix
+                c.agent, c.engine.kv_mem, c.engine.layout, targets, dest, last_push_unix, held
             )
             if c.group is not None:
-                await c.group.prepare_push(req.request_id, d_ranks, reservation.block_ids, last_push_unix)
+                await c.group.prepare_push(
+                    req.request_id, d_ranks, reservation.block_ids, last_push_unix, held
+                )
             pre, reason, prefill_s = await self._prefill(rec, req)
             done_unix = time.time()
             t0 = time.perf_counter()
             limit_s = max(0.0, min(c.config.transfer.timeout_s, reservation.deadline_unix - done_unix))
             num_bytes, num_segments = await self._wait_pushes(req.request_id, pusher, limit_s)
-            c.counters["transfers"] += 1
-            c.counters["transfer_bytes"] += num_bytes
-            metrics.record_transfer(
-                num_bytes, prefill_s, num_segments, backend=c.agent.name, role=c.role.value
-            )
+            if num_bytes:  # nothing moves when D held the whole prompt
+                c.counters["transfers"] += 1
+                c.counters["transfer_bytes"] += num_bytes
+                metrics.record_transfer(
+                    num_bytes, prefill_s, num_segments, backend=c.agent.name, role=c.role.value
+                )
             result = PushResult(
                 request_id=req.request_id,
                 first_token=pre.first_token,
@@ -106,6 +112,7 @@ class PrefillSide:
                 num_bytes=num_bytes,
                 num_segments=num_segments,
                 finish_reason=reason,
+                num_cached_tokens=pre.num_cached_tokens,
             )
             ok = True  # every push has landed: the result tells D so
             await self._deliver(deliver_to, req.request_id, result)

@@ -2,9 +2,15 @@
 
 A prompt prefilled in chunks (several steps) is pushed chunk by chunk: per layer, the blocks that
 the chunk completed (``PrefillChunk.ready_blocks``), so each block goes once, whole, and the
-prompt's last partial block with the last chunk. Under tensor parallelism every P rank runs a
-pusher for its own KV heads, with one target per D rank that holds some of them
-(``plan.rank_pairs``): per layer and chunk, one batched write per target.
+prompt's last partial block with the last chunk.
+
+Prefix caching: D's reservation names how many of the prompt's first blocks D holds already
+(``first_block``); those are never pushed. Blocks P found in its own cache were never computed
+here: they go with the first chunk computed, so every block from ``first_block`` on goes once.
+
+Under tensor parallelism every P rank runs a pusher for its own KV heads, with one target per D
+rank that holds some of them (``plan.rank_pairs``): per layer and chunk, one batched write per
+target.
 """
 
 from __future__ import annotations
@@ -53,6 +59,7 @@ class LayerPusher:
         targets: list[RankDesc],
         dest_blocks: list[int],
         last_push_unix: float | None = None,
+        first_block: int = 0,
     ) -> None:
         if not targets:
             raise TransferError(f"{agent.key}: no decode rank holds KV heads {list(local_layout.heads)}")
@@ -61,6 +68,8 @@ class LayerPusher:
         self.local_layout = local_layout
         self.targets = targets
         self.dest_blocks = dest_blocks
+        self._next_block = first_block  # the first block not pushed yet (D holds those before it)
+        self._range = (first_block, first_block)  # the blocks the chunk being pushed sends
         # no push starts after this (D frees the reservation at its deadline plus grace)
         self.last_push_unix = last_push_unix
         self.transfers: list[Transfer] = []
@@ -93,7 +102,12 @@ class LayerPusher:
                 raise TransferTimeout(
                     f"{self.agent.key}: the reservation's deadline passed before layer {layer} was pushed"
                 )
-            first, end = chunk.ready_blocks(self.local_layout.block_size)
+            if layer == 0:  # every layer of a chunk sends the same blocks
+                end = max(self._next_block, chunk.ready_blocks(self.local_layout.block_size)[1])
+                self._range = (self._next_block, end)
+            first, end = self._range
+            if layer == self.num_layers - 1:
+                self._next_block = end
             if first < end:
                 if self._plans is None or self._plans[0] != (first, end):
                     self._plans = ((first, end), self._plan(local_blocks, first, end))

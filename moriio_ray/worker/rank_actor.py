@@ -144,16 +144,21 @@ class RankWorker:
         return sum(x.num_bytes for x in xfers)
 
     async def prepare_push(
-        self, request_id: str, peer_ranks: list[RankDesc], dest_blocks: list[int], last_push_unix: float
+        self,
+        request_id: str,
+        peer_ranks: list[RankDesc],
+        dest_blocks: list[int],
+        last_push_unix: float,
+        first_block: int = 0,
     ) -> None:
         """WRITE: push this rank's heads of ``request_id``'s prefill, layer by layer, into D's ranks
-        (none after ``last_push_unix``)."""
+        (none after ``last_push_unix``; none of the first ``first_block`` blocks, which D holds)."""
         engine = self.engine
         targets = push_targets(engine.layout, peer_ranks)
         for target in targets:
             await asyncio.to_thread(self.agent.connect, target.engine_desc)
         self.pushers[request_id] = LayerPusher(
-            self.agent, engine.kv_mem, engine.layout, targets, dest_blocks, last_push_unix
+            self.agent, engine.kv_mem, engine.layout, targets, dest_blocks, last_push_unix, first_block
         )
 
     async def wait_push(self, request_id: str, timeout_s: float) -> tuple[int, int]:

@@ -102,12 +102,17 @@ class RankGroup:
         ]
 
     async def prepare_push(
-        self, request_id: str, peer_ranks: list[RankDesc], dest_blocks: list[int], last_push_unix: float
+        self,
+        request_id: str,
+        peer_ranks: list[RankDesc],
+        dest_blocks: list[int],
+        last_push_unix: float,
+        first_block: int = 0,
     ) -> None:
         await asyncio.gather(
             *(
                 deadline(
-                    f.prepare_push.remote(request_id, peer_ranks, dest_blocks, last_push_unix),
+                    f.prepare_push.remote(request_id, peer_ranks, dest_blocks, last_push_unix, first_block),
                     self.timeout_s,
                     "a push",
                 )

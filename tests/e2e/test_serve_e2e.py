@@ -293,7 +293,7 @@ def test_metrics_on_rays_prometheus_endpoint(server: ServeProcess, client: opena
     # every metric README lists; failures_total has a sample only once a failure happened
     # (tests/integration/test_http_failures.py causes one and checks it)
     names = [n for n in readme_metrics() if n != "ray_moriio_failures_total"]
-    assert len(names) == 8, names
+    assert len(names) == 10, names  # the prefix-cache gauges included
     missing = missing_metrics(targets, names, 60.0)
     assert not missing, f"not exported on any of {targets}: {missing}"
 

@@ -1,4 +1,4 @@
-"""Colocated reference tokens from the real engine in this process (no Ray)."""
+"""Colocated reference tokens from the real engine in this process (no Ray), prefix cache off."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from tests.integration.helpers import BLOCK_SIZE, NUM_BLOCKS
 def colocated_tokens(prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
     engine = Engine(
         ModelConfig(preset="tiny", seed=0),
-        EngineConfig(device="cpu", num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE),
+        # the prefix cache off: every pipeline (cache on by default) is held against an uncached run
+        EngineConfig(device="cpu", num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, enable_prefix_caching=False),
         role="colocated",
     )
     out: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}

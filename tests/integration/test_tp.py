@@ -27,6 +27,10 @@ from tests.integration.test_failures import _run_until
 pytestmark = pytest.mark.usefixtures("ray_cpu")
 
 PROMPTS = varied_prompts(16, seed=11)
+# prompts sharing prefixes (run one by one): P and D find cached blocks, head-sliced on every rank
+_BASE = varied_prompts(6, seed=12)[5] + varied_prompts(6, seed=13)[5]
+SHARED = [_BASE[:n] + tail for n, tail in [(len(_BASE), []), (40, [33, 34]), (64, []), (33, [35] * 20)]]
+SHARED += [_BASE[: len(_BASE)]]
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 BLOCK_BYTES = 2 * 2 * 16 * 2 * 16 * 4  # tiny: layers x K/V x block_size x KV heads x head_dim x float32
 
@@ -94,11 +98,21 @@ def reference() -> list[list[int]]:
     return colocated_tokens(PROMPTS, GREEDY)
 
 
+@pytest.fixture(scope="module")
+def shared_reference() -> list[list[int]]:
+    return colocated_tokens(SHARED, GREEDY)
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("mode", ["read", "write"])
 @pytest.mark.parametrize(("p", "d"), [(1, 2), (2, 1), (2, 2)])
 def test_pd_between_tp_sizes_gives_the_colocated_tokens(
-    pipelines: Pipelines, reference: list[list[int]], p: int, d: int, mode: str
+    pipelines: Pipelines,
+    reference: list[list[int]],
+    shared_reference: list[list[int]],
+    p: int,
+    d: int,
+    mode: str,
 ) -> None:
     name, pipe = pipelines.get(p, d, mode)
     try:
@@ -118,6 +132,14 @@ def test_pd_between_tp_sizes_gives_the_colocated_tokens(
         assert sum(w["transfer_failures"] + w["recomputes"] for w in workers) == 0
         movers = [w for w in workers if w["role"] == ("decode" if mode == "read" else "prefill")]
         assert sum(w["transfers"] for w in movers) == len(PROMPTS)
+        assert_no_leaks(pipe)
+        # with cached prefixes on both sides (each rank its heads of the same blocks)
+        shared = pipe.generate_batch(SHARED, GREEDY, max_concurrency=1)
+        assert [r.token_ids for r in shared] == shared_reference
+        hits = {"prefill": 0, "decode": 0}
+        for w in pipe.stats()["workers"].values():
+            hits[w["role"]] += w["prefix_cache"]["num_hit_tokens"]
+        assert hits["prefill"] > 0 and hits["decode"] > 0, hits
         assert_no_leaks(pipe)
     finally:
         if (p, d, mode) not in KILL.values():

@@ -28,6 +28,7 @@ def tiny_engine(
     lease_s: float = 30.0,
     chunked_prefill: bool = True,
     overlap: bool = False,
+    prefix_caching: bool = True,
 ) -> Engine:
     """An Engine over the ``tiny`` preset on CPU in float32 (``overlap``: overlapped scheduling)."""
     return Engine(
@@ -41,6 +42,7 @@ def tiny_engine(
             max_num_batched_tokens=max_num_batched_tokens,
             chunked_prefill=chunked_prefill,
             overlap_scheduling=overlap,
+            enable_prefix_caching=prefix_caching,
         ),
         role=role,
         lease_grace_s=lease_grace_s,
@@ -99,7 +101,8 @@ def copy_blocks(src: Engine, src_blocks: list[int], dst: Engine, dst_blocks: lis
 def disaggregated(
     prefill: Engine, decode: Engine, prompts: list[list[int]], params: list[SamplingParams]
 ) -> dict[str, Result]:
-    """Run prompts P -> copy blocks -> D, as the runtime does; the full token streams per request."""
+    """Run prompts P -> copy blocks -> D, as the runtime does; the full token streams per request.
+    Only the blocks D does not hold in its prefix cache are copied (the tail of the prompt)."""
     for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
         prefill.add_request(f"r{i}", prompt, p)
     firsts = run_to_end(prefill)
@@ -109,7 +112,9 @@ def disaggregated(
         assert handle is not None and firsts[rid].finished
         dst_blocks = decode.reserve(rid, prompt, p)
         assert dst_blocks is not None and len(dst_blocks) == len(handle.block_ids)
-        copy_blocks(prefill, handle.block_ids, decode, dst_blocks)
+        held = decode.cached_blocks(rid)
+        if held < len(dst_blocks):
+            copy_blocks(prefill, handle.block_ids[held:], decode, dst_blocks[held:])
         assert prefill.release(rid)
         decode.start_decode(rid, handle.first_token)
     rest = run_to_end(decode)

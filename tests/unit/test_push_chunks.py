@@ -52,3 +52,39 @@ def test_ready_blocks_complete_each_block_once() -> None:
     assert PrefillChunk("r", 32, 37, 37).ready_blocks(BLOCK) == (2, 3)  # the partial last block
     assert PrefillChunk("r", 0, 37, 37).ready_blocks(BLOCK) == (0, 3)
     assert PrefillChunk("r", 16, 32, 32).ready_blocks(BLOCK) == (1, 2)
+
+
+@pytest.mark.parametrize(("d_held", "p_cached"), [(0, 2), (1, 2), (2, 1), (2, 0), (1, 1)])
+@pytest.mark.parametrize("chunk", [37, 10])
+def test_a_push_skips_the_blocks_d_holds_and_sends_those_p_found_cached(
+    d_held: int, p_cached: int, chunk: int
+) -> None:
+    """Prefix caching: D's reservation holds its first ``d_held`` blocks already (never written);
+    P found its first ``p_cached`` blocks in its cache (computed earlier, never by a chunk here):
+    every block from ``d_held`` on lands once per layer, P's cached ones with the first chunk."""
+    p, d = Rank("p", 0, 1), Rank("d", 0, 1)
+    try:
+        p.agent.connect(d.agent.engine_desc())
+        num_tokens, num_layers = 37, p.layout.num_layers
+        p.tensor[:, :, LOCAL] = -1.0
+        d.tensor[:, :, DEST] = -7.0  # what D holds (its cached blocks keep it)
+        for layer in range(num_layers):  # P's cached blocks: computed by an earlier request
+            for t in range(p_cached * BLOCK):
+                p.tensor[layer, :, LOCAL[t // BLOCK], t % BLOCK] = 1000.0 * layer + t + 0.5
+        pusher = LayerPusher(p.agent, p.mem, p.layout, push_targets(p.layout, [d.desc]), DEST, None, d_held)
+        for start in range(p_cached * BLOCK, num_tokens, chunk):
+            end = min(start + chunk, num_tokens)
+            step = PrefillChunk("r", start, end, num_tokens)
+            for layer in range(num_layers):
+                for t in range(start, end):
+                    p.tensor[layer, :, LOCAL[t // BLOCK], t % BLOCK] = 1000.0 * layer + t + 0.5
+                pusher.on_layer(layer, step, LOCAL)
+        pusher.wait_all(10)
+        assert pusher.num_segments == num_layers * 2 * (len(LOCAL) - d_held)
+        got = d.tensor[:, :, DEST].flatten(2, 3)[:, :, d_held * BLOCK : num_tokens]
+        want = p.tensor[:, :, LOCAL].flatten(2, 3)[:, :, d_held * BLOCK : num_tokens]
+        assert (want > 0).all() and torch.equal(got, want)
+        assert bool((d.tensor[:, :, DEST[:d_held]] == -7.0).all())
+    finally:
+        p.agent.close()
+        d.agent.close()

@@ -67,6 +67,7 @@ class FakePipeline:
                     logprobs=[-0.5] if params.logprobs else None,
                     num_prompt_tokens=len(ids),
                     num_output_tokens=i + 1,
+                    num_cached_tokens=len(ids) // 2,  # as if a prefix cache held half the prompt
                 )
         finally:
             (self.finished if done else self.closed).append(request_id)
@@ -125,7 +126,12 @@ def test_completion_whole() -> None:
     choice = body["choices"][0]
     assert choice["text"] == "hey" and choice["finish_reason"] == "length" and choice["index"] == 0
     assert choice["logprobs"]["tokens"] == ["h", "e", "y"] and choice["logprobs"]["text_offset"] == [0, 1, 2]
-    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+    assert body["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 3,
+        "total_tokens": 6,
+        "prompt_tokens_details": {"cached_tokens": 1},
+    }
     assert pipe.finished == [body["id"]] and not pipe.closed
 
 
@@ -142,6 +148,7 @@ def test_completion_stream_with_usage() -> None:
     assert texts == ["a", "b", "c"]
     assert [e["choices"][0]["finish_reason"] for e in events if e["choices"]] == [None, None, "length"]
     assert events[-1]["choices"] == [] and events[-1]["usage"]["total_tokens"] == 6
+    assert events[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": 1}
     assert len({e["id"] for e in events}) == 1 and events[0]["object"] == "text_completion"
 
 
