@@ -43,7 +43,7 @@ from moriio_ray.engine.rank import build_rank
 from moriio_ray.engine.sampling import SamplingParams
 from moriio_ray.engine.scheduler import Scheduler
 from moriio_ray.engine.sequence import SeqState, Sequence, blocks_for
-from moriio_ray.engine.stepping import InFlight, failure_output, launch, prefill_result
+from moriio_ray.engine.stepping import InFlight, TopLogprobs, failure_output, launch, prefill_result
 from moriio_ray.engine.stopping import check_stop
 from moriio_ray.engine.tokenizer import load_tokenizer
 from moriio_ray.engine.tp import SINGLE, TPGroup
@@ -243,7 +243,12 @@ class Engine:
                     self._steps.send(encode_batch(batch))  # the other ranks run the same batch
                 prev = self._in_flight.tokens if self._in_flight is not None else None
                 launched = launch(
-                    batch, self.runner, hook=self._layer_hook, prev_tokens=prev, on_failure=self._drop
+                    batch,
+                    self.runner,
+                    hook=self._layer_hook,
+                    prev_tokens=prev,
+                    on_failure=self._drop,
+                    eos_ids=self.tokenizer.eos_token_ids,
                 )
             done, self._in_flight = (self._in_flight, launched) if self.overlap else (launched, None)
             if done is not None:
@@ -252,7 +257,7 @@ class Engine:
 
     def _read_back(self, done: InFlight) -> list[StepOutput]:
         """The outputs of a launched step: its tokens appended, stop checks, finished requests."""
-        tokens, logprobs = done.read()
+        tokens, logprobs, tops = done.read()
         outputs = []
         for i, row in enumerate(done.rows):
             seq = row.seq
@@ -261,13 +266,18 @@ class Engine:
                     outputs.append(failure_output(seq, row.error))
             elif seq.generation == row.generation and seq.state is SeqState.RUNNING:
                 seq.num_pending -= 1
-                outputs.append(self._advance(seq, tokens[i], logprobs[i] if logprobs is not None else None))
+                logprob = logprobs[i] if logprobs is not None else None
+                outputs.append(self._advance(seq, tokens[i], logprob, tops[i] if tops is not None else None))
             # else: preempted (it samples this token again), aborted, or finished by an earlier token
         return outputs
 
-    def _advance(self, seq: Sequence, token: int, logprob: float | None) -> StepOutput:
+    def _advance(
+        self, seq: Sequence, token: int, logprob: float | None, top: TopLogprobs | None
+    ) -> StepOutput:
         seq.output_ids.append(token)
-        logprob = logprob if seq.params.logprobs else None
+        want = seq.params.logprobs or seq.params.top_logprobs > 0
+        logprob = logprob if want else None
+        top = top[: seq.params.top_logprobs] if top is not None and seq.params.top_logprobs else None
         try:
             reason = check_stop(seq, self.tokenizer, self.max_model_len)
         except Exception as exc:  # this request's stop rule failed: end it alone
@@ -278,12 +288,13 @@ class Engine:
             finished=reason is not None,
             finish_reason=reason,
             logprobs=[logprob] if logprob is not None else None,
+            top_logprobs=[top] if top is not None else None,
         )
         if seq.prefill_only:
             # a first token that already ends the request leaves nothing for a peer to read
             lease_s = self.lease_s if seq.lease_s is None else seq.lease_s
             out.prefill = prefill_result(
-                self.allocator, seq, self.block_size, token, logprob, lease_s, reason
+                self.allocator, seq, self.block_size, token, logprob, lease_s, reason, top
             )
             out.finished = True
         if out.finished:

@@ -18,6 +18,7 @@ class PrefillResult(msgspec.Struct, frozen=True, kw_only=True):
     first_token: int
     lease_deadline_unix: float  # wall-clock time.time(): it travels to other processes
     first_logprob: float | None = None
+    first_top_logprobs: list[tuple[int, float]] | None = None  # the first token's alternatives
 
 
 class StepOutput(msgspec.Struct, kw_only=True):
@@ -35,5 +36,7 @@ class StepOutput(msgspec.Struct, kw_only=True):
     finished: bool
     finish_reason: str | None = None
     logprobs: list[float] | None = None
+    # per new token, its alternatives: (token id, raw log probability), most likely first
+    top_logprobs: list[list[tuple[int, float]]] | None = None
     prefill: PrefillResult | None = None
     error: tuple[str, str] | None = None

@@ -29,6 +29,10 @@ from moriio_ray.engine.outputs import PrefillResult, StepOutput
 from moriio_ray.engine.runner import ModelRunner
 from moriio_ray.engine.sampler import SamplingRow, row_key, sample_each_device
 from moriio_ray.engine.sequence import Sequence, blocks_for
+from moriio_ray.engine.shaping import apply_shaping, plan_shaping
+
+# a token's alternatives: (token id, raw log probability) pairs, most likely first
+TopLogprobs = list[tuple[int, float]]
 
 log = logging.getLogger(__name__)
 
@@ -50,9 +54,12 @@ class InFlight:
 
     rows: list[Row]
     tokens: torch.Tensor | None  # [R] int64 on the device: the next step's inputs read it
-    host: torch.Tensor | None  # [2, R] int32 (pinned on CUDA): token ids, log-probability bits
+    # [2 + 2k, R] int32 (pinned on CUDA): token ids, log-probability bits, then the k alternatives'
+    # ids and their log-probability bits
+    host: torch.Tensor | None
     event: torch.cuda.Event | None
     want_logprobs: bool
+    num_top: int = 0  # k
     aborted: set[str] = dataclasses.field(default_factory=set)  # meanwhile: no output for them
 
     def wait(self) -> None:
@@ -60,16 +67,23 @@ class InFlight:
         if self.event is not None:
             self.event.synchronize()
 
-    def read(self) -> tuple[list[int], list[float] | None]:
-        """The sampled ids and (if any row asked) log probabilities, once the copy has landed."""
+    def read(self) -> tuple[list[int], list[float] | None, list[TopLogprobs] | None]:
+        """The sampled ids and (if any row asked) log probabilities and alternatives per row, once
+        the copy has landed."""
         if self.host is None:
-            return [], None
+            return [], None, None
         self.wait()
         tokens: list[int] = self.host[0].tolist()
         logprobs: list[float] | None = (
             self.host[1].view(torch.float32).tolist() if self.want_logprobs else None
         )
-        return tokens, logprobs
+        if not self.num_top:
+            return tokens, logprobs, None
+        k = self.num_top
+        ids: list[list[int]] = self.host[2 : 2 + k].T.tolist()  # [R][k]
+        values: list[list[float]] = self.host[2 + k :].view(torch.float32).T.tolist()
+        tops = [list(zip(i, v, strict=True)) for i, v in zip(ids, values, strict=True)]
+        return tokens, logprobs, tops
 
 
 def sampling_row(seq: Sequence) -> SamplingRow:
@@ -77,7 +91,7 @@ def sampling_row(seq: Sequence) -> SamplingRow:
     p = seq.params
     position = seq.sample_offset + len(seq.output_ids) + seq.num_pending
     key = row_key(seq.seed, position) if p.temperature > 0 else 0
-    return SamplingRow(p.temperature, p.top_k, p.top_p, key, p.logprobs)
+    return SamplingRow(p.temperature, p.top_k, p.top_p, key, p.logprobs or p.top_logprobs > 0, p.top_logprobs)
 
 
 def launch(
@@ -87,6 +101,7 @@ def launch(
     hook: ChunkHook | None,
     prev_tokens: torch.Tensor | None,
     on_failure: Callable[[Sequence], None],
+    eos_ids: list[int] | tuple[int, ...] = (),
 ) -> InFlight:
     """Run ``batch`` and sample it on the device; ``on_failure`` ends a sequence whose own
     sampling failed, at once."""
@@ -94,13 +109,19 @@ def launch(
     layer_hook = (lambda i: hook(i, chunks)) if hook is not None and chunks else None
     sampled = [seq for seq, s in zip(batch.seqs, batch.samples(), strict=True) if s]
     sampling = [sampling_row(seq) for seq in sampled]
+    shaping = plan_shaping(sampled, eos_ids)  # before the pending counts move on
     logits = runner.run(batch, layer_hook, prev_tokens)  # [R, vocab]
+    raw = logits
+    if shaping is not None:  # the log probabilities stay those of the raw logits
+        want_raw = any(r.want_logprob for r in sampling)
+        logits = apply_shaping(logits.clone() if want_raw else logits, shaping, prev_tokens)
     rows = [Row(seq, seq.generation) for seq in sampled]
     for seq, n in zip(batch.seqs, batch.q_lens, strict=True):
         seq.num_cached += n  # the host moves on as if the step had run
     if not sampled:
         return InFlight(rows, None, None, None, False)
-    tokens, logprobs, errors = sample_each_device(logits, sampling)
+    out, errors = sample_each_device(logits, sampling, raw)
+    tokens, logprobs = out.tokens, out.logprobs
     for i, (row, error) in enumerate(zip(rows, errors, strict=True)):
         if error is not None:
             row.error = error
@@ -110,7 +131,12 @@ def launch(
             row.seq.pending_row = i
     # the one copy back of the step: ids and log-probability bits side by side, as int32
     bits = logprobs.view(torch.int32) if logprobs is not None else torch.zeros_like(tokens, dtype=torch.int32)
-    packed = torch.stack([tokens.to(torch.int32), bits])  # [2, R]
+    parts = [tokens.to(torch.int32)[None], bits[None]]
+    num_top = 0
+    if out.top_ids is not None and out.top_logprobs is not None:
+        num_top = out.top_ids.shape[1]
+        parts += [out.top_ids.T.to(torch.int32), out.top_logprobs.T.contiguous().view(torch.int32)]
+    packed = torch.cat(parts)  # [2 + 2k, R]
     if packed.device.type == "cuda":
         host = torch.empty(packed.shape, dtype=torch.int32, pin_memory=True)
         host.copy_(packed, non_blocking=True)
@@ -119,7 +145,7 @@ def launch(
         event.record()
     else:
         host, event = packed, None
-    return InFlight(rows, tokens, host, event, logprobs is not None)
+    return InFlight(rows, tokens, host, event, logprobs is not None, num_top)
 
 
 def failure_output(seq: Sequence, exc: BaseException) -> StepOutput:
@@ -139,6 +165,7 @@ def prefill_result(
     first_logprob: float | None,
     lease_s: float,
     finish_reason: str | None,
+    first_top_logprobs: TopLogprobs | None = None,
 ) -> PrefillResult:
     """A prefill engine's result, its prompt's blocks leased for ``lease_s``; a first token that
     already ends the request (``finish_reason``) leaves nothing to read and leases nothing."""
@@ -154,4 +181,5 @@ def prefill_result(
         first_token=first_token,
         lease_deadline_unix=deadline_unix,
         first_logprob=first_logprob,
+        first_top_logprobs=first_top_logprobs,
     )

@@ -91,6 +91,7 @@ class KVHandle(msgspec.Struct, frozen=True, kw_only=True):
     prefill_done_unix: float
     prefill_s: float
     finish_reason: str | None = None  # set: the first token already ended the request
+    first_top_logprobs: list[tuple[int, float]] | None = None  # the first token's alternatives
 
 
 class Reservation(msgspec.Struct, frozen=True, kw_only=True):
@@ -115,6 +116,7 @@ class PushResult(msgspec.Struct, frozen=True, kw_only=True):
     num_bytes: int
     num_segments: int
     finish_reason: str | None = None
+    first_top_logprobs: list[tuple[int, float]] | None = None
 
 
 Handoff = KVHandle | PushResult  # what P hands to D
@@ -147,6 +149,8 @@ class RequestOutput(msgspec.Struct, array_like=True):
     logprobs: list[float] | None = None
     finish_reason: str | None = None  # set on the last output of a request
     error: tuple[str, str] | None = None  # (typed error class name, message): the request failed
+    # per token, its alternatives (token id, raw log probability), most likely first
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
     @property
     def finished(self) -> bool:

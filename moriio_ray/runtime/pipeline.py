@@ -220,6 +220,7 @@ class PDPipeline:
                     finished=finished,
                     finish_reason=reason,
                     logprobs=chunk.logprobs,
+                    top_logprobs=chunk.top_logprobs,
                     num_prompt_tokens=len(req.prompt_token_ids),
                     num_output_tokens=n_out,
                     timings=state.timings if finished else None,

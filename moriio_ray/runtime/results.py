@@ -16,6 +16,7 @@ class StreamEvent(msgspec.Struct, kw_only=True):
     finished: bool = False
     finish_reason: str | None = None
     logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # per token: (id, logprob), best first
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     timings: Timings | None = None  # on the last event

@@ -187,7 +187,9 @@ class EngineWorker:
             raise
         finally:
             rec.task = None
-        return RequestOutput(req.request_id, out.new_token_ids, out.logprobs, out.finish_reason)
+        return RequestOutput(
+            req.request_id, out.new_token_ids, out.logprobs, out.finish_reason, top_logprobs=out.top_logprobs
+        )
 
     # -- prefill --------------------------------------------------------------------------------
 
