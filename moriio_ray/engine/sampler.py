@@ -161,6 +161,7 @@ def sample_each_device(
             part, error = failed, exc
         parts.append(part)
         errors.append(error)
+
     def cat(name: str) -> torch.Tensor | None:
         return torch.cat([getattr(p, name) for p in parts]) if getattr(parts[0], name) is not None else None
 

@@ -20,7 +20,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import msgspec
@@ -37,7 +37,7 @@ from moriio_ray.serve.errors import (
 from moriio_ray.serve.openai import ChatCompletionRequest, CompletionRequest, parse_request
 from moriio_ray.serve.prepare import Limits, Prepared, TokenizerLike, prepare_chat, prepare_completion
 from moriio_ray.serve.responses import ChatFormat, CompletionFormat
-from moriio_ray.serve.stream import Deadline, Format, sse_frames, whole_body
+from moriio_ray.serve.stream import Deadline, Format, Merged, Source, gather_all, sse_frames, whole_body
 
 log = logging.getLogger(__name__)
 
@@ -66,10 +66,14 @@ class PipelineLike(Protocol):
     async def stats_async(self) -> dict[str, Any]: ...
 
 
+IGNORED_HEADER = "X-Ignored-Fields"  # the unknown request fields ignored (serve.unknown_fields: ignore)
+
+
 @dataclass
 class JSONReply:
     status: int
     body: bytes
+    headers: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -80,6 +84,7 @@ class StreamReply:
     frames: AsyncIterator[bytes]
     close: Callable[[], Awaitable[None]]
     begin: Callable[[], None] = lambda: None
+    headers: dict[str, str] = field(default_factory=dict)
 
 
 Reply = JSONReply | StreamReply
@@ -101,12 +106,14 @@ class OpenAIServer:
         request_timeout_s: float,
         live_roles: Callable[[], Awaitable[dict[str, int]]],
         stream_interval: int = 1,
+        unknown_fields: str = "ignore",
     ) -> None:
         self.pipe = pipe
         self.limits = limits
         self.admission = Admission(max_ongoing_requests)
         self.request_timeout_s = request_timeout_s
         self.stream_interval = stream_interval  # tokens per SSE event (serve.stream_interval)
+        self.unknown_fields = unknown_fields  # serve.unknown_fields: reject | ignore
         self.live_roles = live_roles
         self.started_unix = int(time.time())
         self._cleanups: set[asyncio.Future[None]] = set()  # closes of dropped streams, kept alive
@@ -142,18 +149,28 @@ class OpenAIServer:
     # -- generation -----------------------------------------------------------------------------
 
     async def completions(self, body: bytes) -> Reply:
-        req = parse_request(body, CompletionRequest)
-        prepared = self._prepare(lambda: prepare_completion(req, self.pipe.tokenizer, self.limits))
-        fmt = CompletionFormat(self.limits.model_name, self.pipe.tokenizer.decode, logprobs=req.logprobs == 0)
-        return await self._generate(prepared, fmt, stream=req.stream, include_usage=req.include_usage)
+        ignored: list[str] = []
+        req = parse_request(body, CompletionRequest, unknown_fields=self.unknown_fields, ignored=ignored)
+        prompts = self._prepare(lambda: prepare_completion(req, self.pipe.tokenizer, self.limits))
+        top = req.logprobs or 0
+        fmt = CompletionFormat(
+            self.limits.model_name, self.pipe.tokenizer.decode, logprobs=req.logprobs is not None, top=top
+        )
+        reply = await self._generate(prompts, fmt, stream=bool(req.stream), include_usage=req.include_usage)
+        return _with_ignored(reply, ignored)
 
     async def chat_completions(self, body: bytes) -> Reply:
-        req = parse_request(body, ChatCompletionRequest)
-        prepared = self._prepare(lambda: prepare_chat(req, self.pipe.tokenizer, self.limits))
-        fmt = ChatFormat(self.limits.model_name, self.pipe.tokenizer.decode, logprobs=req.logprobs)
-        return await self._generate(prepared, fmt, stream=req.stream, include_usage=req.include_usage)
+        ignored: list[str] = []
+        req = parse_request(body, ChatCompletionRequest, unknown_fields=self.unknown_fields, ignored=ignored)
+        prepared = self._prepare(lambda: [prepare_chat(req, self.pipe.tokenizer, self.limits)])
+        top = req.top_logprobs or 0
+        fmt = ChatFormat(
+            self.limits.model_name, self.pipe.tokenizer.decode, logprobs=bool(req.logprobs), top=top
+        )
+        reply = await self._generate(prepared, fmt, stream=bool(req.stream), include_usage=req.include_usage)
+        return _with_ignored(reply, ignored)
 
-    def _prepare(self, fn: Callable[[], Prepared]) -> Prepared:
+    def _prepare(self, fn: Callable[[], list[Prepared]]) -> list[Prepared]:
         try:
             return fn()
         except (UnicodeError, RecursionError, OverflowError) as exc:  # a tokenizer on odd input
@@ -163,37 +180,57 @@ class OpenAIServer:
         except Exception as exc:
             raise from_exception(exc, validating=True) from None
 
-    async def _generate(self, prepared: Prepared, fmt: Format, *, stream: bool, include_usage: bool) -> Reply:
-        try:
-            gen_req = self.pipe.make_request(
-                token_ids=prepared.token_ids, params=prepared.params, request_id=fmt.id
-            )
-        except Exception as exc:
-            raise from_exception(exc, validating=True, fields=prepared.fields) from None
-        slot = self.admission.acquire()
+    def _requests(self, prompts: list[Prepared], fmt: Format) -> list[tuple[Prepared, Any]]:
+        """(its prompt, the pipeline request or None where nothing is generated) per choice, in
+        choice order: ``n`` per prompt, each with its own sample stream."""
+        count = sum(p.n for p in prompts)
+        out: list[tuple[Prepared, Any]] = []
+        for prepared in prompts:
+            for j in range(prepared.n):
+                if not prepared.generate:
+                    out.append((prepared, None))
+                    continue
+                params = prepared.params
+                if j and params.seed is not None:  # a seeded request's choices draw apart
+                    params = msgspec.structs.replace(params, seed=(params.seed + j) % (1 << 64))
+                rid = fmt.id if count == 1 else f"{fmt.id}-{len(out)}"
+                try:
+                    req = self.pipe.make_request(token_ids=prepared.token_ids, params=params, request_id=rid)
+                except Exception as exc:
+                    raise from_exception(exc, validating=True, fields=prepared.fields) from None
+                out.append((prepared, req))
+        return out
+
+    async def _generate(
+        self, prompts: list[Prepared], fmt: Format, *, stream: bool, include_usage: bool
+    ) -> Reply:
+        choices = self._requests(prompts, fmt)
+        live = [req for _, req in choices if req is not None]
+        slot = self.admission.acquire(max(1, len(live)))
         deadline = Deadline(self.request_timeout_s)
-        events = self.pipe.stream_request(gen_req)
+        streams = [self.pipe.stream_request(req) for req in live]
         try:
-            first = await deadline.next(events)
+            firsts = await gather_all([deadline.next(events) for events in streams])
         except BaseException as exc:
-            await _close(events, slot)
+            await _close(streams, slot)
             if isinstance(exc, Exception):
                 raise from_exception(exc, validating=False, request_id=fmt.id) from None
             raise
+        sources = _sources(choices, firsts, streams)
         if stream:
-            return self._stream_reply(fmt, first, events, deadline, include_usage, slot)
+            return self._stream_reply(fmt, sources, streams, deadline, include_usage, slot)
         try:
-            return JSONReply(200, await whole_body(fmt, first, events, deadline))
+            return JSONReply(200, await whole_body(fmt, sources, deadline))
         except Exception as exc:
             raise from_exception(exc, validating=False, request_id=fmt.id) from None
         finally:
-            await _close(events, slot)
+            await _close(streams, slot)
 
     def _stream_reply(
         self,
         fmt: Format,
-        first: Any,
-        events: AsyncIterator[Any],
+        sources: list[Source],
+        events: list[AsyncIterator[Any]],
         deadline: Deadline,
         include_usage: bool,
         slot: Slot,
@@ -211,14 +248,14 @@ class OpenAIServer:
             await _close(events, slot, frames)
 
         timer = asyncio.get_running_loop().call_later(STREAM_START_TIMEOUT_S, abandon)
-        frames = self._frames(fmt, first, events, deadline, include_usage, slot, timer.cancel)
+        frames = self._frames(fmt, sources, events, deadline, include_usage, slot, timer.cancel)
         return StreamReply(frames=frames, close=close, begin=timer.cancel)
 
     async def _frames(
         self,
         fmt: Format,
-        first: Any,
-        events: AsyncIterator[Any],
+        sources: list[Source],
+        events: list[AsyncIterator[Any]],
         deadline: Deadline,
         include_usage: bool,
         slot: Slot,
@@ -226,7 +263,7 @@ class OpenAIServer:
     ) -> AsyncIterator[bytes]:
         begin()
         frames = sse_frames(
-            fmt, first, events, deadline, interval=self.stream_interval, include_usage=include_usage
+            fmt, sources, deadline, interval=self.stream_interval, include_usage=include_usage
         )
         try:
             async for frame in frames:
@@ -268,11 +305,53 @@ class OpenAIServer:
         return JSONReply(200, msgspec.json.encode(stats))
 
 
-async def _close(events: AsyncIterator[Any], slot: Slot, frames: AsyncIterator[bytes] | None = None) -> None:
-    """Close the SSE frames, then the pipeline stream (cancelling the request), then free the slot."""
+async def _close(
+    events: list[AsyncIterator[Any]], slot: Slot, frames: AsyncIterator[bytes] | None = None
+) -> None:
+    """Close the SSE frames, then the pipeline streams (cancelling the requests), then free the slot."""
     try:
         if frames is not None:
             await frames.aclose()  # type: ignore[attr-defined]
-        await events.aclose()  # type: ignore[attr-defined]
+        for stream in events:
+            await stream.aclose()  # type: ignore[attr-defined]
     finally:
         slot.release()
+
+
+def _sources(
+    choices: list[tuple[Prepared, Any]], firsts: list[Any], streams: list[AsyncIterator[Any]]
+) -> list[Source]:
+    """A ``Source`` per choice: its first event and stream, and its echo."""
+    out: list[Source] = []
+    live = iter(zip(firsts, streams, strict=True))
+    seen: set[int] = set()
+    for prepared, req in choices:
+        prefix = None
+        if prepared.echo is not None:
+            prefix = Merged(
+                token_ids=[],
+                text=prepared.echo,
+                logprobs=None,
+                finished=False,
+                finish_reason=None,
+                num_prompt_tokens=len(prepared.token_ids),
+                num_output_tokens=0,
+            )
+        counts_prompt = id(prepared) not in seen
+        seen.add(id(prepared))
+        if req is None:  # echo alone (max_tokens 0): the prompt is the whole choice
+            assert prefix is not None
+            prefix.finished, prefix.finish_reason = True, "length"
+            out.append(Source(prefix, None, None, counts_prompt))
+            continue
+        first, events = next(live)
+        out.append(Source(first, events, prefix, counts_prompt))
+    return out
+
+
+def _with_ignored(reply: Reply, ignored: list[str]) -> Reply:
+    """The reply, naming the request's ignored unknown fields in a header (ASCII, bounded)."""
+    if ignored:
+        names = [n.encode("ascii", "backslashreplace").decode()[:64].replace(",", "_") for n in ignored[:32]]
+        reply.headers[IGNORED_HEADER] = ", ".join(names)
+    return reply

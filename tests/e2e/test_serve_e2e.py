@@ -150,9 +150,10 @@ BAD_INPUTS: list[tuple[str, bytes | dict[str, Any], int, str | None]] = [
     ("unknown model", {**A, "model": "gpt-4o"}, 404, "model"),
     ("transfer params", {**A, "kv_transfer_params": {"do_remote_decode": True}}, 400, "kv_transfer_params"),
     ("peer address", {**A, "remote_host": "10.0.0.9", "remote_port": 5555}, 400, "remote_host"),
-    ("unknown field", {**A, "frequency_penalty": 0.5}, 400, "frequency_penalty"),
-    ("batch of prompts", {**A, "prompt": ["a", "b"]}, 400, "prompt"),
-    ("n > 1", {**A, "n": 2}, 400, "n"),
+    ("refused field", {**A, "suffix": "x"}, 400, "suffix"),
+    ("best_of above n", {**A, "best_of": 3}, 400, "best_of"),
+    ("n too large", {**A, "n": 17}, 400, "n"),
+    ("bad prompt list", {**A, "prompt": ["a", 1]}, 400, "prompt"),
 ]
 
 
