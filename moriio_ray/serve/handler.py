@@ -38,6 +38,7 @@ from moriio_ray.serve.openai import ChatCompletionRequest, CompletionRequest, pa
 from moriio_ray.serve.prepare import Limits, Prepared, TokenizerLike, prepare_chat, prepare_completion
 from moriio_ray.serve.responses import ChatFormat, CompletionFormat
 from moriio_ray.serve.stream import Deadline, Format, Merged, Source, gather_all, sse_frames, whole_body
+from moriio_ray.serve.tokenize import detokenize, tokenize
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +137,8 @@ class OpenAIServer:
             "/v1/models": ("GET", self.models),
             "/health": ("GET", self.health),
             "/stats": ("GET", self.stats),
+            "/tokenize": ("POST", self.tokenize),
+            "/detokenize": ("POST", self.detokenize),
         }
         if path not in routes:
             raise APIError(404, f"no route {path}; see /v1/models", code="not_found")
@@ -273,6 +276,20 @@ class OpenAIServer:
             await _close(events, slot)
 
     # -- the rest -------------------------------------------------------------------------------
+
+    async def tokenize(self, body: bytes) -> Reply:
+        return JSONReply(200, self._tokenizing(lambda: tokenize(body, self.pipe.tokenizer, self.limits)))
+
+    async def detokenize(self, body: bytes) -> Reply:
+        return JSONReply(200, self._tokenizing(lambda: detokenize(body, self.pipe.tokenizer, self.limits)))
+
+    def _tokenizing(self, fn: Callable[[], bytes]) -> bytes:
+        try:
+            return fn()
+        except APIError:
+            raise
+        except Exception as exc:  # a tokenizer on odd input
+            raise bad_request(f"the text cannot be (de)tokenized ({type(exc).__name__})") from None
 
     async def models(self, body: bytes) -> Reply:
         card = {

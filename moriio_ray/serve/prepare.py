@@ -26,6 +26,7 @@ from moriio_ray.serve.openai import (
     MAX_N,
     MAX_PROMPTS,
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
     SamplingFields,
 )
@@ -108,11 +109,7 @@ def prepare_chat(req: ChatCompletionRequest, tok: TokenizerLike, limits: Limits)
     if top and not req.logprobs:
         raise bad_request("top_logprobs: set logprobs to true to get alternatives", param="top_logprobs")
     _response_format(req.response_format)
-    if not req.messages:
-        raise bad_request("messages: at least one message is required", param="messages")
-    messages = [_message_dict(i, m.role, m.content) for i, m in enumerate(req.messages)]
-    # The chat template already holds any BOS the model wants.
-    ids = tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)
+    ids = chat_prompt_ids(req.messages, tok)
     if req.max_tokens is not None and req.max_completion_tokens is not None:
         raise bad_request(
             "set one of max_completion_tokens and max_tokens (a deprecated alias)",
@@ -124,6 +121,15 @@ def prepare_chat(req: ChatCompletionRequest, tok: TokenizerLike, limits: Limits)
     params = _sampling(req, max_tokens, name, len(ids), limits, logprobs=bool(req.logprobs), top=top)
     fields = {"prompt": "messages", "max_tokens": name}
     return Prepared(token_ids=ids, params=params, fields=fields, n=req.num_choices)
+
+
+def chat_prompt_ids(messages: list[ChatMessage], tok: TokenizerLike) -> list[int]:
+    """The prompt of a chat: its messages through the chat template, tokenized."""
+    if not messages:
+        raise bad_request("messages: at least one message is required", param="messages")
+    dicts = [_message_dict(i, m.role, m.content) for i, m in enumerate(messages)]
+    # The chat template already holds any BOS the model wants.
+    return tok.encode(tok.apply_chat_template(dicts), add_special_tokens=False)
 
 
 def _top(name: str, value: int | None) -> int | None:

@@ -244,11 +244,14 @@ class CompletionFormat(_Format):
             if value is None:  # a prompt's first token has no log probability (OpenAI: null)
                 top.append(None)
                 continue
-            alternatives: dict[str, float] = {}
-            for token, lp in (tops[i] if tops is not None and i < len(tops) else [])[: self.top]:
-                alternatives.setdefault(self.decode([token]), lp)
             # the sampled token always has its entry, beside up to `logprobs` alternatives
-            alternatives.setdefault(text, value)
+            alternatives = {text: value}
+            for token, lp in (tops[i] if tops is not None and i < len(tops) else [])[: self.top]:
+                if token == token_ids[i]:
+                    continue
+                key = self.decode([token])
+                # tokens whose texts coincide (a byte of a character each) keep apart under their ids
+                alternatives[key if key not in alternatives else f"token_id:{token}"] = lp
             top.append(alternatives)
         return CompletionLogprobs(
             tokens=texts, token_logprobs=list(values), top_logprobs=top, text_offset=offsets

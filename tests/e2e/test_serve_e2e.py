@@ -40,11 +40,6 @@ def server(tiny_serve: Shared) -> ServeProcess:
     return tiny_serve.get()
 
 
-@pytest.fixture(scope="module")
-def client(server: ServeProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
-
-
 @pytest.mark.timeout(60)
 def test_health_models_stats(server: ServeProcess) -> None:
     assert haproxy_pids(server), "the config's fast path should put HAProxy in front of the ingress"

@@ -191,3 +191,27 @@ def test_echo_and_max_tokens_zero() -> None:
     assert "".join(e["choices"][0]["text"] for e in events) == "heyhe"
     status, reply, _ = _ask(COMPLETIONS, {**PROMPT, "max_tokens": 0})
     assert status == 400 and reply["error"]["param"] == "max_tokens"
+
+
+@pytest.mark.timeout(20)
+def test_tokenize_and_detokenize() -> None:
+    async def go(path: str, body: dict[str, Any]) -> tuple[int, Any]:
+        reply = await _server(FakePipeline(), roles={}).handle("POST", path, json.dumps(body).encode())
+        assert isinstance(reply, JSONReply)
+        return reply.status, json.loads(reply.body)
+
+    assert asyncio.run(go("/tokenize", {"prompt": "hey"})) == (
+        200,
+        {"tokens": [104, 101, 121], "count": 3, "max_model_len": 64},
+    )
+    status, body = asyncio.run(go("/tokenize", MESSAGES))
+    assert status == 200 and bytes(body["tokens"]).decode() == "user: hey\nassistant:"
+    assert asyncio.run(go("/detokenize", {"tokens": [104, 105]})) == (200, {"prompt": "hi"})
+    for path, bad, param in [
+        ("/detokenize", {"tokens": [10**6]}, "tokens"),
+        ("/tokenize", {}, "prompt"),
+        ("/tokenize", {"prompt": "a", **MESSAGES}, "prompt"),
+        ("/tokenize", {"prompt": "a", "model": "gpt-4"}, "model"),
+    ]:
+        status, body = asyncio.run(go(path, bad))
+        assert status in (400, 404) and body["error"]["param"] == param, body
