@@ -32,13 +32,14 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import msgspec
 import torch
 
 from moriio_ray.config import EngineConfig, ModelConfig
 from moriio_ray.engine.admission import check_request, new_sequence, request_error
 from moriio_ray.engine.batch import PrefillChunk
 from moriio_ray.engine.block_allocator import BlockAllocator
-from moriio_ray.engine.outputs import StepOutput
+from moriio_ray.engine.outputs import PromptLogprobs, StepOutput
 from moriio_ray.engine.rank import build_rank
 from moriio_ray.engine.sampling import SamplingParams
 from moriio_ray.engine.scheduler import Scheduler
@@ -57,6 +58,12 @@ log = logging.getLogger(__name__)
 
 ROLES = ("prefill", "decode", "colocated")
 LayerHook = Callable[[int, list[PrefillChunk]], None]
+
+
+def _prompt_logprobs(seq: Sequence) -> PromptLogprobs | None:
+    if seq.prompt_logprobs is None:
+        return None
+    return PromptLogprobs([lp for lp, _ in seq.prompt_logprobs], [top for _, top in seq.prompt_logprobs])
 
 
 class Engine:
@@ -289,6 +296,7 @@ class Engine:
             finish_reason=reason,
             logprobs=[logprob] if logprob is not None else None,
             top_logprobs=[top] if top is not None else None,
+            prompt_logprobs=_prompt_logprobs(seq) if len(seq.output_ids) == 1 else None,
         )
         if seq.prefill_only:
             # a first token that already ends the request leaves nothing for a peer to read
@@ -296,6 +304,7 @@ class Engine:
             out.prefill = prefill_result(
                 self.allocator, seq, self.block_size, token, logprob, lease_s, reason, top
             )
+            out.prefill = msgspec.structs.replace(out.prefill, prompt_logprobs=out.prompt_logprobs)
             out.finished = True
         if out.finished:
             self.scheduler.finish(seq)

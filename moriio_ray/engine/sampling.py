@@ -85,7 +85,11 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     vocabulary), ``seed`` within 64 bits, at most 32 stop strings of at most 512 bytes, at most
     1024 stop token ids (each a token of the vocabulary), penalties in [-2, 2],
     ``repetition_penalty`` in (0, 10], at most 1024 ``logit_bias`` entries in [-100, 100],
-    ``min_tokens`` at most ``max_tokens``, ``top_logprobs`` 0..20.
+    ``min_tokens`` at most ``max_tokens``, ``top_logprobs`` and ``prompt_logprobs`` 0..20.
+
+    ``prompt_logprobs`` (vLLM's name): every prompt token's log probability given the tokens before
+    it (None for the first) and that many alternatives, computed in the prefill and returned with
+    the first output token (this reads the prefill's logits back at once: a device sync).
     """
 
     max_tokens: int = 16
@@ -103,6 +107,7 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = msgspec.field(default_factory=dict)
     min_tokens: int = 0
+    prompt_logprobs: int | None = None  # None: off; else the prompt tokens' logprobs and alternatives
 
     def __post_init__(self) -> None:
         _int("max_tokens", self.max_tokens, 1, MAX_TOKENS_CAP)
@@ -138,6 +143,8 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
             raise InvalidRequest(f"repetition_penalty: {_show(self.repetition_penalty)} must be in (0, 10]")
         self._check_logit_bias()
         _int("min_tokens", self.min_tokens, 0, self.max_tokens)
+        if self.prompt_logprobs is not None:
+            _int("prompt_logprobs", self.prompt_logprobs, 0, MAX_TOP_LOGPROBS)
 
     def _check_logit_bias(self) -> None:
         if not isinstance(self.logit_bias, dict):

@@ -47,6 +47,8 @@ class Sequence:
     pending_row: int = -1
     # bumped when the sequence is preempted: rows of a step launched before then are discarded
     generation: int = 0
+    # params.prompt_logprobs: (logprob, alternatives) per prompt token, filled chunk by chunk
+    prompt_logprobs: list[tuple[float | None, list[tuple[int, float]]]] | None = None
 
     @property
     def num_tokens(self) -> int:

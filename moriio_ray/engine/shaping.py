@@ -1,11 +1,12 @@
 """Logit shaping for one step, batched: repetition, frequency and presence penalties, logit bias
 and min_tokens, applied to the sampling rows' logits [R, V] before temperature, top-k and top-p.
 
-The host builds flat (row, token) index lists over the rows that shape at all; the device applies
-them with a few ``index_add_`` / ``index_put_`` calls on the flattened logits, so the cost grows
-with the tokens involved, never with rows x vocabulary, and a step without any shaping row costs
-one pass over the rows' flags. A token still pending on the device (overlapped scheduling) counts
-from the previous step's sampled tokens, without a host sync.
+The host keeps each shaping sequence's distinct tokens and their counts across steps (folding in
+one new token a step) and builds flat (row, token) index lists over the rows that shape at all; the
+device applies them with a few ``index_add_`` / ``index_copy_`` calls on the flattened logits, so
+the cost grows with the distinct tokens involved, never with rows x vocabulary, and a step without
+any shaping row costs one pass over the rows' flags. A token still pending on the device
+(overlapped scheduling) counts from the previous step's sampled tokens, without a host sync.
 
 A request's output tokens are those it sampled (``output_ids`` and the pending one) plus, for a
 continuation after a worker death, the last ``sample_offset`` tokens of its prompt (what it had
@@ -28,72 +29,114 @@ from moriio_ray.engine.sequence import Sequence
 class _Flat:
     """Flat (row, token[, value]) lists built on the host."""
 
-    rows: list[np.ndarray] = dataclasses.field(default_factory=list)
+    rows: list[int] = dataclasses.field(default_factory=list)
     tokens: list[np.ndarray] = dataclasses.field(default_factory=list)
     values: list[np.ndarray] = dataclasses.field(default_factory=list)
 
-    def add(self, row: int, tokens: np.ndarray, value: float | np.ndarray = 0.0) -> None:
-        self.rows.append(np.full(len(tokens), row, dtype=np.int64))
+    def add(self, row: int, tokens: np.ndarray, values: np.ndarray | None = None) -> None:
+        self.rows.append(row)
         self.tokens.append(tokens)
-        if not isinstance(value, np.ndarray):
-            value = np.full(len(tokens), value, dtype=np.float32)
-        self.values.append(value)
+        if values is not None:
+            self.values.append(values)
 
     def keys(self, vocab: int, device: torch.device) -> torch.Tensor | None:
         """[N] int64 flat indices ``row * vocab + token`` on the device, or None when empty."""
         if not self.rows:
             return None
-        keys = np.concatenate(self.rows) * vocab + np.concatenate(self.tokens)
-        return upload(keys, device)
+        lengths = [len(t) for t in self.tokens]
+        rows = np.repeat(np.asarray(self.rows, dtype=np.int64), lengths)
+        return upload(rows * vocab + np.concatenate(self.tokens), device)
 
     def vals(self, device: torch.device) -> torch.Tensor:
         return upload(np.concatenate(self.values), device)
 
 
+class _Grow:
+    """A growable numpy vector (capacity doubles); ``view`` is its filled part."""
+
+    def __init__(self, dtype: type) -> None:
+        self.data: np.ndarray = np.empty(16, dtype=dtype)
+        self.size = 0
+
+    def append(self, value: float) -> None:
+        if self.size == len(self.data):
+            self.data = np.concatenate([self.data, np.empty_like(self.data)])
+        self.data[self.size] = value
+        self.size += 1
+
+    @property
+    def view(self) -> np.ndarray:
+        return self.data[: self.size]
+
+
 class _Tokens:
-    """A sequence's prompt and output tokens as arrays, kept across steps: each step appends only
-    the tokens that came since the last (a step must not rebuild them from Python lists)."""
+    """A sequence's distinct tokens, kept across steps: each step folds in only the tokens that
+    came since the last, so a step never rebuilds them from Python lists, and the device needs no
+    de-duplication. ``out`` / ``counts``: the distinct output tokens and their counts; ``seen``: the
+    distinct prompt and output tokens (repetition penalty)."""
 
     def __init__(self, seq: Sequence) -> None:
-        prompt = np.asarray(seq.prompt_ids, dtype=np.int64)
-        self.prompt = prompt
+        self.out, self.counts, self.seen = _Grow(np.int64), _Grow(np.float32), _Grow(np.int64)
+        self._out_at: dict[int, int] = {}
+        self._seen: set[int] = set()
+        self.num_outputs = 0
         # a continuation: its prompt ends with what it emitted before, which counts as output
-        self.head = prompt[len(prompt) - seq.sample_offset :] if seq.sample_offset else prompt[:0]
-        self.out = np.empty(64, dtype=np.int64)
-        self.num_out = 0
+        emitted = seq.prompt_ids[len(seq.prompt_ids) - seq.sample_offset :] if seq.sample_offset else []
+        for token in seq.prompt_ids:
+            self._see(token)
+        for token in emitted:
+            self._count(token)
 
-    def outputs(self, seq: Sequence) -> np.ndarray:
-        """[len(head) + len(output_ids)] the sequence's output tokens."""
-        ids = seq.output_ids
-        if len(ids) < self.num_out:  # never expected (outputs only grow); start over
-            self.num_out = 0
-        if len(ids) > len(self.out):
-            grown = np.empty(2 * len(ids), dtype=np.int64)
-            grown[: self.num_out] = self.out[: self.num_out]
-            self.out = grown
-        if len(ids) > self.num_out:
-            self.out[self.num_out : len(ids)] = ids[self.num_out :]
-            self.num_out = len(ids)
-        out = self.out[: self.num_out]
-        return np.concatenate([self.head, out]) if len(self.head) else out
+    def _see(self, token: int) -> None:
+        if token not in self._seen:
+            self._seen.add(token)
+            self.seen.append(token)
+
+    def _count(self, token: int) -> None:
+        at = self._out_at.get(token)
+        if at is None:
+            self._out_at[token] = self.out.size
+            self.out.append(token)
+            self.counts.append(1.0)
+        else:
+            self.counts.data[at] += 1.0
+
+    def update(self, seq: Sequence) -> _Tokens:
+        """Fold in the output tokens the host learnt since the last step."""
+        for token in seq.output_ids[self.num_outputs :]:
+            self._see(token)
+            self._count(token)
+        self.num_outputs = max(self.num_outputs, len(seq.output_ids))
+        return self
 
 
 _tokens: weakref.WeakKeyDictionary[Sequence, _Tokens] = weakref.WeakKeyDictionary()
+_bias: weakref.WeakKeyDictionary[Sequence, tuple[np.ndarray, np.ndarray]] = weakref.WeakKeyDictionary()
+
+
+def _bias_of(seq: Sequence) -> tuple[np.ndarray, np.ndarray]:
+    """A sequence's logit bias as (token ids, values) arrays, made once."""
+    bias = _bias.get(seq)
+    if bias is None:
+        items = seq.params.logit_bias
+        ids = np.fromiter(items.keys(), np.int64, len(items))
+        bias = _bias[seq] = (ids, np.fromiter(items.values(), np.float32, len(items)))
+    return bias
 
 
 def _tokens_of(seq: Sequence) -> _Tokens:
     tokens = _tokens.get(seq)
     if tokens is None:
         tokens = _tokens[seq] = _Tokens(seq)
-    return tokens
+    return tokens.update(seq)
 
 
 @dataclasses.dataclass
 class ShapingPlan:
     """What one step applies; built before the forward pass (the rows' pending counts change after)."""
 
-    repetition: _Flat  # every prompt and output token of a row, value: its penalty
-    output: _Flat  # every output token (with repeats) known on the host, value: frequency penalty
+    repetition: _Flat  # each distinct prompt and output token of a row, value: its penalty
+    output: _Flat  # each distinct output token known on the host, value: -(frequency x count + presence)
     repetition_by_row: list[float]  # per row (1 where the row has none)
     presence: list[float]  # per row (0 where the row has none)
     frequency: list[float]  # per row
@@ -116,23 +159,18 @@ def plan_shaping(seqs: list[Sequence], eos_ids: list[int] | tuple[int, ...]) -> 
         penalized = p.presence_penalty or p.frequency_penalty
         if penalized or p.repetition_penalty != 1.0:
             tokens = _tokens_of(seq)
-            out = tokens.outputs(seq)
             if p.repetition_penalty != 1.0:
                 plan.repetition_by_row[i] = p.repetition_penalty
-                plan.repetition.add(i, tokens.prompt, p.repetition_penalty)
-                plan.repetition.add(i, out, p.repetition_penalty)
-            if penalized:
-                plan.output.add(i, out, p.frequency_penalty)
-                plan.presence[i], plan.frequency[i] = p.presence_penalty, p.frequency_penalty
-            if seq.num_pending and (penalized or p.repetition_penalty != 1.0):
+                plan.repetition.add(i, tokens.seen.view)
+            if penalized and tokens.out.size:
+                values = tokens.counts.view * -p.frequency_penalty - p.presence_penalty
+                plan.output.add(i, tokens.out.view, values)
+            plan.presence[i], plan.frequency[i] = p.presence_penalty, p.frequency_penalty
+            if seq.num_pending:
                 plan.pending_rows.append(i)
                 plan.pending_src.append(seq.pending_row)
         if p.logit_bias:
-            plan.bias.add(
-                i,
-                np.fromiter(p.logit_bias.keys(), np.int64, len(p.logit_bias)),
-                np.fromiter(p.logit_bias.values(), np.float32, len(p.logit_bias)),
-            )
+            plan.bias.add(i, *_bias_of(seq))
         if p.min_tokens and len(seq.output_ids) + seq.num_pending < p.min_tokens:
             banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_ids))
             if banned:
@@ -147,24 +185,26 @@ def apply_shaping(logits: torch.Tensor, plan: ShapingPlan, prev_tokens: torch.Te
     device = logits.device
     flat = logits.view(-1)  # [R * V]
     pending = _pending_keys(plan, vocab, device, prev_tokens)
-    rep = plan.repetition.keys(vocab, device)
+    rep = plan.repetition.keys(vocab, device)  # distinct per row
+    out = plan.output.keys(vocab, device)  # distinct per row
+    if pending is not None:
+        # a pending token is new to its row unless the host already has it (then it was counted)
+        new_rep = pending if rep is None else pending[~torch.isin(pending, rep)]
+        new_out = pending if out is None else pending[~torch.isin(pending, out)]
     if rep is not None:
         penalty = upload(np.asarray(plan.repetition_by_row, dtype=np.float32), device)  # [R]
         if pending is not None:
-            rep = torch.cat([rep, pending])
-        keys = torch.unique(rep)  # each (row, token) once: the penalty is not additive
-        values = flat.index_select(0, keys)
-        scale = penalty.index_select(0, keys // vocab)
-        flat.index_copy_(0, keys, torch.where(values > 0, values / scale, values * scale))
-    out = plan.output.keys(vocab, device)
-    if out is not None or pending is not None:
+            rep = torch.cat([rep, new_rep])
+        values = flat.index_select(0, rep)
+        scale = penalty.index_select(0, rep // vocab)
+        flat.index_copy_(0, rep, torch.where(values > 0, values / scale, values * scale))
+    if out is not None:
+        flat.index_add_(0, out, plan.output.vals(device))
+    if pending is not None:
         frequency = upload(np.asarray(plan.frequency, dtype=np.float32), device)  # [R]
         presence = upload(np.asarray(plan.presence, dtype=np.float32), device)  # [R]
-        parts = [k for k in (out, pending) if k is not None]
-        keys = torch.cat(parts) if len(parts) > 1 else parts[0]
-        flat.index_add_(0, keys, -frequency.index_select(0, keys // vocab))  # once per occurrence
-        seen = torch.unique(keys)
-        flat.index_add_(0, seen, -presence.index_select(0, seen // vocab))  # once per distinct token
+        flat.index_add_(0, pending, -frequency.index_select(0, pending // vocab))
+        flat.index_add_(0, new_out, -presence.index_select(0, new_out // vocab))
     bias = plan.bias.keys(vocab, device)
     if bias is not None:
         flat.index_add_(0, bias, plan.bias.vals(device))

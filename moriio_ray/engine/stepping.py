@@ -110,7 +110,10 @@ def launch(
     sampled = [seq for seq, s in zip(batch.seqs, batch.samples(), strict=True) if s]
     sampling = [sampling_row(seq) for seq in sampled]
     shaping = plan_shaping(sampled, eos_ids)  # before the pending counts move on
-    logits = runner.run(batch, layer_hook, prev_tokens)  # [R, vocab]
+    keep = _prompt_rows(batch)
+    logits = runner.run(batch, layer_hook, prev_tokens, keep)  # [R, vocab]
+    if keep:
+        _prompt_logprobs(batch, keep, runner)
     raw = logits
     if shaping is not None:  # the log probabilities stay those of the raw logits
         want_raw = any(r.want_logprob for r in sampling)
@@ -146,6 +149,42 @@ def launch(
     else:
         host, event = packed, None
     return InFlight(rows, tokens, host, event, logprobs is not None, num_top)
+
+
+def _prompt_rows(batch: Batch) -> dict[int, torch.Tensor] | None:
+    """The prefill rows whose prompt logprobs are asked for (and not yet all computed)."""
+    rows = {
+        i: torch.empty(0)
+        for i in range(batch.num_decodes, len(batch.seqs))
+        if batch.seqs[i].params.prompt_logprobs is not None
+        and batch.seqs[i].num_cached < batch.seqs[i].num_prompt_tokens
+    }
+    return rows or None
+
+
+def _prompt_logprobs(batch: Batch, hidden: dict[int, torch.Tensor], runner: ModelRunner) -> None:
+    """Each kept row's prompt tokens' log probabilities, appended to its sequence (read back now)."""
+    for row, states in hidden.items():
+        seq = batch.seqs[row]
+        k = seq.params.prompt_logprobs or 0
+        start = seq.num_cached  # not moved on yet: the chunk feeds [start, start + q_len)
+        end = min(start + batch.q_lens[row], seq.num_prompt_tokens)  # prompt tokens fed so far
+        if seq.prompt_logprobs is None:
+            seq.prompt_logprobs = [(None, [])]  # the first token: nothing precedes it
+        # position j predicts token j + 1; tokens computed before (a recompute) are not again
+        first = max(start + 1, len(seq.prompt_logprobs))
+        targets = seq.prompt_ids[first : end + 1]  # the chunk's last position predicts token `end`
+        if not targets:
+            continue
+        states = states[first - 1 - start : first - 1 - start + len(targets)]  # [T, hidden]
+        log_probs = runner.model.compute_logits(states).log_softmax(dim=-1)  # [T, V]
+        target = torch.tensor(targets, device=log_probs.device)[:, None]
+        chosen = log_probs.gather(1, target).squeeze(1).tolist()
+        tops: list[list[tuple[int, float]]] = [[] for _ in targets]
+        if k:
+            values, ids = log_probs.topk(k, dim=-1)  # [T, k]
+            tops = [list(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)]
+        seq.prompt_logprobs += list(zip(chosen, tops, strict=True))
 
 
 def failure_output(seq: Sequence, exc: BaseException) -> StepOutput:

@@ -28,6 +28,7 @@ import msgspec
 import ray
 
 from moriio_ray.config import PipelineConfig
+from moriio_ray.engine.outputs import PromptLogprobs
 from moriio_ray.errors import PeerLost
 from moriio_ray.runtime.deadline import deadline
 from moriio_ray.runtime.detached import send
@@ -55,6 +56,7 @@ class TokenChunk:
     logprobs: list[float] | None = None
     finish_reason: str | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None  # per token, its alternatives
+    prompt_logprobs: PromptLogprobs | None = None  # with the first token, when asked for
 
     @property
     def finished(self) -> bool:
@@ -210,7 +212,13 @@ class Flows:
             # 5. The first token, from P's result.
             done = result.finish_reason is not None
             first_top = [result.first_top_logprobs] if result.first_top_logprobs is not None else None
-            yield TokenChunk([result.first_token], _lp(result.first_logprob), result.finish_reason, first_top)
+            yield TokenChunk(
+                [result.first_token],
+                _lp(result.first_logprob),
+                result.finish_reason,
+                first_top,
+                result.prompt_logprobs,
+            )
             if done:
                 return
             # 6. D has the KV and decodes; its tokens follow on the stream.
@@ -306,7 +314,9 @@ def _merge(items: list[RequestOutput]) -> TokenChunk:
     if len(items) == 1:
         item = items[0]
         item.raise_error()
-        return TokenChunk(item.token_ids, item.logprobs, item.finish_reason, item.top_logprobs)
+        return TokenChunk(
+            item.token_ids, item.logprobs, item.finish_reason, item.top_logprobs, item.prompt_logprobs
+        )
     chunk = TokenChunk([])
     for item in items:
         item.raise_error()
@@ -315,6 +325,7 @@ def _merge(items: list[RequestOutput]) -> TokenChunk:
             chunk.logprobs = [*(chunk.logprobs or []), *item.logprobs]
         if item.top_logprobs is not None:
             chunk.top_logprobs = [*(chunk.top_logprobs or []), *item.top_logprobs]
+        chunk.prompt_logprobs = chunk.prompt_logprobs or item.prompt_logprobs
         chunk.finish_reason = item.finish_reason
         if item.finished:
             break

@@ -221,6 +221,7 @@ class PDPipeline:
                     finish_reason=reason,
                     logprobs=chunk.logprobs,
                     top_logprobs=chunk.top_logprobs,
+                    prompt_logprobs=chunk.prompt_logprobs,
                     num_prompt_tokens=len(req.prompt_token_ids),
                     num_output_tokens=n_out,
                     timings=state.timings if finished else None,

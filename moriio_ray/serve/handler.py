@@ -343,27 +343,34 @@ def _sources(
     live = iter(zip(firsts, streams, strict=True))
     seen: set[int] = set()
     for prepared, req in choices:
-        prefix = None
-        if prepared.echo is not None:
-            prefix = Merged(
-                token_ids=[],
-                text=prepared.echo,
-                logprobs=None,
-                finished=False,
-                finish_reason=None,
-                num_prompt_tokens=len(prepared.token_ids),
-                num_output_tokens=0,
-            )
         counts_prompt = id(prepared) not in seen
         seen.add(id(prepared))
-        if req is None:  # echo alone (max_tokens 0): the prompt is the whole choice
+        first, events = next(live) if req is not None else (None, None)
+        prefix = None if prepared.echo is None else _echo(prepared, first)
+        if req is None or prepared.discard:  # echo alone (max_tokens 0): the prompt is the choice
             assert prefix is not None
             prefix.finished, prefix.finish_reason = True, "length"
             out.append(Source(prefix, None, None, counts_prompt))
             continue
-        first, events = next(live)
+        assert first is not None
         out.append(Source(first, events, prefix, counts_prompt))
     return out
+
+
+def _echo(prepared: Prepared, first: Any) -> Merged:
+    """The prompt in front of a choice: its text and, when the first event carries them, its
+    tokens' log probabilities and alternatives (then the tokens are listed too)."""
+    prompt_logprobs = getattr(first, "prompt_logprobs", None)
+    return Merged(
+        token_ids=list(prepared.token_ids) if prompt_logprobs is not None else [],
+        text=prepared.echo or "",
+        logprobs=prompt_logprobs.logprobs if prompt_logprobs is not None else None,
+        finished=False,
+        finish_reason=None,
+        num_prompt_tokens=len(prepared.token_ids),
+        num_output_tokens=0,
+        top_logprobs=prompt_logprobs.top if prompt_logprobs is not None else None,
+    )
 
 
 def _with_ignored(reply: Reply, ignored: list[str]) -> Reply:

@@ -17,6 +17,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import msgspec
+
 from moriio_ray.engine.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from moriio_ray.errors import InvalidRequest
 from moriio_ray.serve.errors import APIError, bad_request
@@ -64,6 +66,7 @@ class Prepared:
     n: int = 1
     echo: str | None = None
     generate: bool = True
+    discard: bool = False  # generated only for its prompt logprobs (echo, max_tokens 0): no output
 
 
 def check_model(requested: str | None, limits: Limits) -> None:
@@ -90,16 +93,26 @@ def prepare_completion(req: CompletionRequest, tok: TokenizerLike, limits: Limit
             param="prompt",
         )
     echo = bool(req.echo)
-    if echo and req.logprobs is not None:
-        raise bad_request(
-            "echo: prompt log probabilities (echo with logprobs) are not supported", param="echo"
-        )
-    generate = not (echo and req.max_tokens == 0)
+    # echo with max_tokens 0: nothing to generate, unless the prompt's logprobs are wanted (one
+    # token is generated for the prefill that computes them, and dropped)
+    nothing = echo and req.max_tokens == 0
+    discard = nothing and top is not None
     out = []
     for ids, text in prompts:
-        max_tokens = req.max_tokens if generate else None
+        max_tokens = 1 if discard else None if nothing else req.max_tokens
         params = _sampling(req, max_tokens, "max_tokens", len(ids), limits, logprobs=top is not None, top=top)
-        out.append(Prepared(ids, params, n=req.num_choices, echo=text if echo else None, generate=generate))
+        if echo and top is not None:
+            params = msgspec.structs.replace(params, prompt_logprobs=top)
+        out.append(
+            Prepared(
+                ids,
+                params,
+                n=req.num_choices,
+                echo=text if echo else None,
+                generate=not nothing or discard,
+                discard=discard,
+            )
+        )
     return out
 
 

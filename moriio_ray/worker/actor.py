@@ -187,9 +187,7 @@ class EngineWorker:
             raise
         finally:
             rec.task = None
-        return RequestOutput(
-            req.request_id, out.new_token_ids, out.logprobs, out.finish_reason, top_logprobs=out.top_logprobs
-        )
+        return RequestOutput.of_step(req.request_id, out)
 
     # -- prefill --------------------------------------------------------------------------------
 

@@ -171,3 +171,34 @@ def test_top_logprobs_are_sorted_and_hold_the_greedy_token() -> None:
         assert values == sorted(values, reverse=True)
         assert alternatives[0][0] == token and abs(alternatives[0][1] - logprob) < 1e-6
         assert len({t for t, _ in alternatives}) == 20
+
+
+def _prompt_logprobs(engine: Engine, prompt: list[int], k: int) -> tuple[list, list]:
+    engine.add_request("p", prompt, SamplingParams(max_tokens=2, ignore_eos=True, prompt_logprobs=k))
+    got = None
+    while engine.has_work():
+        for out in engine.step():
+            if out.prefill is not None:
+                got = out.prefill.prompt_logprobs
+            elif out.prompt_logprobs is not None:
+                assert got is None, "prompt logprobs come once, with the first token"
+                got = out.prompt_logprobs
+    assert got is not None
+    return got.logprobs, got.top
+
+
+@pytest.mark.timeout(60)
+def test_prompt_logprobs_chunked_colocated_and_prefill_alike() -> None:
+    prompt = prompts_for_block_size(4, count=6)[5] * 3  # a few blocks long
+    whole, whole_top = _prompt_logprobs(tiny_engine(), prompt, 3)
+    assert len(whole) == len(prompt) and whole[0] is None and whole_top[0] == []
+    assert all(v is not None and v <= 0 for v in whole[1:])
+    for top, token, value in zip(whole_top[1:], prompt[1:], whole[1:], strict=True):
+        values = [v for _, v in top]
+        assert len(top) == 3 and values == sorted(values, reverse=True) and value <= values[0] + 1e-6
+        assert token not in [t for t, _ in top] or dict(top)[token] == pytest.approx(value, abs=1e-5)
+    for engine in (tiny_engine(max_num_batched_tokens=8, max_num_seqs=4), tiny_engine("prefill")):
+        got, got_top = _prompt_logprobs(engine, prompt, 3)
+        assert got[0] is None
+        torch.testing.assert_close(got[1:], whole[1:], atol=1e-5, rtol=1e-5)
+        assert [[t for t, _ in top] for top in got_top] == [[t for t, _ in top] for top in whole_top]
