@@ -144,7 +144,7 @@ def test_unknown_model_is_404() -> None:
         (_completion, {"prompt": [1, "a"]}, "prompt"),
         (_completion, {"logprobs": 21}, "logprobs"),
         (_completion, {"logprobs": -1}, "logprobs"),
-        (_completion, {"echo": True, "max_tokens": 0, "min_tokens": 1, "logprobs": 1}, "min_tokens"),
+        (_completion, {"echo": True, "max_tokens": 0, "min_tokens": 2, "logprobs": 1}, "min_tokens"),
         (_completion, {"presence_penalty": 2.5}, "presence_penalty"),
         (_completion, {"frequency_penalty": -2.5}, "frequency_penalty"),
         (_completion, {"logit_bias": {"x": 1}}, "logit_bias"),
