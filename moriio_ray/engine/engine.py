@@ -39,6 +39,7 @@ from moriio_ray.config import EngineConfig, ModelConfig
 from moriio_ray.engine.admission import check_request, new_sequence, request_error
 from moriio_ray.engine.batch import PrefillChunk
 from moriio_ray.engine.block_allocator import BlockAllocator
+from moriio_ray.engine.grammar import Constraints
 from moriio_ray.engine.outputs import PromptLogprobs, StepOutput
 from moriio_ray.engine.rank import build_rank
 from moriio_ray.engine.sampling import SamplingParams
@@ -115,11 +116,14 @@ class Engine:
         self._seqs: dict[str, Sequence] = {}
         self._pending: list[StepOutput] = []  # outputs produced outside step(), returned by the next one
         self._layer_hook: LayerHook | None = None
+        self.constraints = Constraints(self.tokenizer, self.args.vocab_size)  # structured output
         self._lock = threading.RLock()
 
     # -- admission ------------------------------------------------------------------------------
 
     def _check_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+        if params.response_format is not None:
+            self.constraints.check(params.response_format)  # InvalidRequest: the grammar fails
         in_use = request_id in self._seqs or self.allocator.get_lease(request_id) is not None
         check_request(
             request_id,
@@ -243,6 +247,10 @@ class Engine:
         reads back while the device runs this one."""
         with self._lock:
             outputs, self._pending = self._pending, []
+            if self._in_flight is not None and self._constrained():
+                # a grammar's mask needs the previous token on the host: no overlap meanwhile
+                outputs += self._read_back(self._in_flight)
+                self._in_flight = None
             batch = self.scheduler.schedule()
             launched = None
             if batch is not None:
@@ -256,11 +264,15 @@ class Engine:
                     prev_tokens=prev,
                     on_failure=self._drop,
                     eos_ids=self.tokenizer.eos_token_ids,
+                    constraints=self.constraints,
                 )
             done, self._in_flight = (self._in_flight, launched) if self.overlap else (launched, None)
             if done is not None:
                 outputs += self._read_back(done)
             return outputs
+
+    def _constrained(self) -> bool:
+        return any(s.params.response_format is not None for s in self.scheduler.running)
 
     def _read_back(self, done: InFlight) -> list[StepOutput]:
         """The outputs of a launched step: its tokens appended, stop checks, finished requests."""

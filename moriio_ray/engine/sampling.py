@@ -31,6 +31,7 @@ MAX_REPETITION_PENALTY = 10.0
 MAX_LOGIT_BIAS = 100.0  # a bias lies in [-100, 100], as OpenAI's
 MAX_LOGIT_BIAS_TOKENS = 1024
 MAX_TOP_LOGPROBS = 20  # alternatives per token, as OpenAI's cap
+MAX_FORMAT_BYTES = 1 << 16  # a response_format's JSON text
 
 
 def _show(value: Any) -> str:
@@ -108,6 +109,7 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     logit_bias: dict[int, float] = msgspec.field(default_factory=dict)
     min_tokens: int = 0
     prompt_logprobs: int | None = None  # None: off; else the prompt tokens' logprobs and alternatives
+    response_format: str | None = None  # structured output: the OpenAI response_format, as JSON text
 
     def __post_init__(self) -> None:
         _int("max_tokens", self.max_tokens, 1, MAX_TOKENS_CAP)
@@ -145,6 +147,10 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
         _int("min_tokens", self.min_tokens, 0, self.max_tokens)
         if self.prompt_logprobs is not None:
             _int("prompt_logprobs", self.prompt_logprobs, 0, MAX_TOP_LOGPROBS)
+        if self.response_format is not None and (
+            not isinstance(self.response_format, str) or len(self.response_format) > MAX_FORMAT_BYTES
+        ):
+            raise InvalidRequest(f"response_format: must be JSON text of at most {MAX_FORMAT_BYTES} bytes")
 
     def _check_logit_bias(self) -> None:
         if not isinstance(self.logit_bias, dict):
@@ -167,6 +173,7 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
             or self.repetition_penalty != 1.0
             or self.logit_bias
             or self.min_tokens
+            or self.response_format is not None
         )
 
     @property

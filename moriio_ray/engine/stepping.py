@@ -25,6 +25,7 @@ import torch
 from moriio_ray.engine.admission import request_error
 from moriio_ray.engine.batch import Batch, PrefillChunk
 from moriio_ray.engine.block_allocator import BlockAllocator
+from moriio_ray.engine.grammar import Constraints, apply_bitmask
 from moriio_ray.engine.outputs import PrefillResult, StepOutput
 from moriio_ray.engine.runner import ModelRunner
 from moriio_ray.engine.sampler import SamplingRow, row_key, sample_each_device
@@ -102,6 +103,7 @@ def launch(
     prev_tokens: torch.Tensor | None,
     on_failure: Callable[[Sequence], None],
     eos_ids: list[int] | tuple[int, ...] = (),
+    constraints: Constraints | None = None,
 ) -> InFlight:
     """Run ``batch`` and sample it on the device; ``on_failure`` ends a sequence whose own
     sampling failed, at once."""
@@ -110,6 +112,7 @@ def launch(
     sampled = [seq for seq, s in zip(batch.seqs, batch.samples(), strict=True) if s]
     sampling = [sampling_row(seq) for seq in sampled]
     shaping = plan_shaping(sampled, eos_ids)  # before the pending counts move on
+    masks = constraints.masks(sampled) if constraints is not None and shaping is not None else None
     keep = _prompt_rows(batch)
     logits = runner.run(batch, layer_hook, prev_tokens, keep)  # [R, vocab]
     if keep:
@@ -118,6 +121,8 @@ def launch(
     if shaping is not None:  # the log probabilities stay those of the raw logits
         want_raw = any(r.want_logprob for r in sampling)
         logits = apply_shaping(logits.clone() if want_raw else logits, shaping, prev_tokens)
+        if masks is not None:
+            apply_bitmask(logits, masks[1], masks[0])
     rows = [Row(seq, seq.generation) for seq in sampled]
     for seq, n in zip(batch.seqs, batch.q_lens, strict=True):
         seq.num_cached += n  # the host moves on as if the step had run

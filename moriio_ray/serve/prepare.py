@@ -121,7 +121,7 @@ def prepare_chat(req: ChatCompletionRequest, tok: TokenizerLike, limits: Limits)
     top = _top("top_logprobs", req.top_logprobs)
     if top and not req.logprobs:
         raise bad_request("top_logprobs: set logprobs to true to get alternatives", param="top_logprobs")
-    _response_format(req.response_format)
+    response_format = _response_format(req.response_format)
     ids = chat_prompt_ids(req.messages, tok)
     if req.max_tokens is not None and req.max_completion_tokens is not None:
         raise bad_request(
@@ -132,6 +132,8 @@ def prepare_chat(req: ChatCompletionRequest, tok: TokenizerLike, limits: Limits)
     if max_tokens is None:
         max_tokens, name = req.max_tokens, "max_tokens"
     params = _sampling(req, max_tokens, name, len(ids), limits, logprobs=bool(req.logprobs), top=top)
+    if response_format is not None:
+        params = msgspec.structs.replace(params, response_format=response_format)
     fields = {"prompt": "messages", "max_tokens": name}
     return Prepared(token_ids=ids, params=params, fields=fields, n=req.num_choices)
 
@@ -152,15 +154,23 @@ def _top(name: str, value: int | None) -> int | None:
     return value
 
 
-def _response_format(value: dict[str, Any] | None) -> None:
+def _response_format(value: dict[str, Any] | None) -> str | None:
+    """A structured-output format as the engine takes it (JSON text), or None for plain text. The
+    engine compiles it (a 400 there when its grammar library is missing or the schema fails)."""
     if value is None or value.get("type") == "text":
-        return
+        return None
     kind = value.get("type")
-    if kind in ("json_object", "json_schema"):
-        raise bad_request(
-            f"response_format: {kind!r} (structured output) is not supported by this server",
-            param="response_format",
-        )
+    if kind == "json_object":
+        return msgspec.json.encode({"type": "json_object"}).decode()
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise bad_request(
+                "response_format.json_schema: must be an object with a 'schema' object",
+                param="response_format.json_schema",
+            )
+        fmt = {"type": "json_schema", "json_schema": {"schema": spec["schema"]}}
+        return msgspec.json.encode(fmt).decode()
     raise bad_request(
         f"response_format.type: {kind!r} is not one of text, json_object, json_schema",
         param="response_format.type",

@@ -3,10 +3,13 @@ per-row reference, in colocated, overlapped and disaggregated engines alike."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from engine_helpers import disaggregated, prompts_for_block_size, run_to_end, tiny_engine
 
+from moriio_ray.engine import grammar
 from moriio_ray.engine.engine import Engine
 from moriio_ray.engine.sampling import SamplingParams
 from moriio_ray.engine.sequence import Sequence
@@ -202,3 +205,55 @@ def test_prompt_logprobs_chunked_colocated_and_prefill_alike() -> None:
         assert got[0] is None
         torch.testing.assert_close(got[1:], whole[1:], atol=1e-5, rtol=1e-5)
         assert [[t for t, _ in top] for top in got_top] == [[t for t, _ in top] for top in whole_top]
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "color": {"enum": ["red", "green", "blue"]},
+        "ok": {"type": "boolean"},
+        "n": {"type": "integer", "minimum": 0, "maximum": 99},
+    },
+    "required": ["color", "ok", "n"],
+    "additionalProperties": False,
+}
+FORMAT = json.dumps({"type": "json_schema", "json_schema": {"schema": SCHEMA}})
+
+
+@pytest.mark.timeout(120)
+def test_structured_output_parses_colocated_overlapped_and_disaggregated() -> None:
+    pytest.importorskip("xgrammar")
+    jsonschema = pytest.importorskip("jsonschema")
+    prompts = prompts_for_block_size(4, count=8)
+    params = [SamplingParams(max_tokens=48, temperature=1, seed=i, response_format=FORMAT) for i in range(8)]
+    params[0] = SamplingParams(max_tokens=48, response_format=FORMAT)  # greedy
+    results = []
+    for engine in (tiny_engine(), tiny_engine(overlap=True)):
+        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+            engine.add_request(f"r{i}", prompt, p)
+        results.append(run_to_end(engine))
+    results.append(disaggregated(tiny_engine("prefill"), tiny_engine("decode"), prompts, params))
+    for out in results:
+        for i in range(len(prompts)):
+            res = out[f"r{i}"]
+            assert res.finish_reason == "stop" and res.tokens[-1] == 257  # the grammar ends in EOS
+            jsonschema.validate(json.loads(bytes(res.tokens[:-1]).decode()), SCHEMA)
+        assert [out[f"r{i}"].tokens for i in range(len(prompts))] == [
+            results[0][f"r{i}"].tokens for i in range(len(prompts))
+        ]
+
+
+@pytest.mark.timeout(30)
+def test_structured_output_refusals(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("xgrammar")
+    engine = tiny_engine()
+    schema = {"type": "object", "minProperties": "x"}
+    bad = json.dumps({"type": "json_schema", "json_schema": {"schema": schema}})
+    with pytest.raises(InvalidRequest, match="response_format"):
+        engine.add_request("bad", [1, 2], SamplingParams(response_format=bad))
+    # json_object: the first token can only open an object
+    engine.add_request("o", [1, 2], SamplingParams(max_tokens=1, response_format='{"type": "json_object"}'))
+    assert run_to_end(engine)["o"].tokens == [ord("{")]
+    monkeypatch.setattr(grammar, "available", lambda backend="": False)
+    with pytest.raises(InvalidRequest, match=r"needs the xgrammar package.*structured"):
+        tiny_engine().add_request("x", [1, 2], SamplingParams(response_format=FORMAT))
