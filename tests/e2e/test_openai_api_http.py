@@ -9,6 +9,7 @@ token back, ``n`` samples differ, the alternatives are sorted with the greedy to
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import httpx
@@ -179,3 +180,64 @@ def test_echo_prompt_lists_and_field_policy(client: openai.OpenAI, http: httpx.C
     resp = http.post("/v1/completions", json={"model": MODEL, "prompt": "a", "kv_transfer_params": {}})
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "kv_transfer_params"
     assert http.post("/detokenize", json={"tokens": [104, 105]}).json() == {"prompt": "hi"}
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"enum": ["Paris", "Berlin", "Rome"]},
+        "sunny": {"type": "boolean"},
+        "degrees": {"type": "integer", "minimum": -20, "maximum": 45},
+    },
+    "required": ["city", "sunny", "degrees"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+def test_json_schema_replies_parse_and_validate(client: openai.OpenAI) -> None:
+    jsonschema = pytest.importorskip("jsonschema")
+    pytest.importorskip("xgrammar")
+    fmt = {"type": "json_schema", "json_schema": {"name": "weather", "schema": SCHEMA}}
+    valid = 0
+    for i in range(20):
+        out = client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": f"Weather report number {i}, as JSON."}],
+            max_tokens=48,
+            temperature=1.0,
+            seed=i,
+            response_format=fmt,  # type: ignore[arg-type]
+        )
+        text = out.choices[0].message.content or ""
+        jsonschema.validate(json.loads(text), SCHEMA)
+        valid += out.choices[0].finish_reason == "stop"
+    assert valid == 20
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Hi"}],
+            response_format={"type": "json_schema", "json_schema": {"name": "x"}},  # type: ignore[typeddict-item]
+        )
+    assert info.value.body is not None and info.value.body["param"] == "response_format.json_schema"  # type: ignore[index]
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+def test_echo_with_prompt_logprobs(client: openai.OpenAI) -> None:
+    prompt = "Hello there"
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=2)
+    choice = out.choices[0]
+    lp = choice.logprobs
+    assert choice.text == prompt and lp is not None and lp.token_logprobs is not None and lp.top_logprobs
+    assert lp.tokens == list(prompt) and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v is not None and v <= 0 for v in lp.token_logprobs[1:])
+    assert all(2 <= len(top) <= 3 for top in lp.top_logprobs[1:])
+    extra = {"ignore_eos": True}
+    more = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=3, echo=True, logprobs=2, temperature=0, extra_body=extra
+    )
+    lp2 = more.choices[0].logprobs
+    assert lp2 is not None and lp2.token_logprobs is not None
+    assert more.choices[0].text.startswith(prompt) and len(lp2.token_logprobs) == len(prompt) + 3
+    assert lp2.token_logprobs[0] is None  # the same prompt logprobs as without a completion
+    assert lp2.token_logprobs[1 : len(prompt)] == pytest.approx(lp.token_logprobs[1:], abs=1e-5)
