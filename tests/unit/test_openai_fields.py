@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import typing
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -215,3 +217,13 @@ def test_tokenize_and_detokenize() -> None:
     ]:
         status, body = asyncio.run(go(path, bad))
         assert status in (400, 404) and body["error"]["param"] == param, body
+
+
+@pytest.mark.timeout(10)
+def test_the_readme_lists_every_client_field() -> None:
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme[readme.index("### OpenAI API") : readme.index("### From Python")]
+    listed = set(re.findall(r"`([a-z_]+)", section))
+    missing = sorted((CLIENT[COMPLETIONS] | CLIENT[CHAT]) - listed)
+    assert not missing, f"the README's OpenAI API table does not list {missing}"
+    assert set(IGNORED_FIELDS) | set(REFUSED_FIELDS) <= listed
