@@ -209,6 +209,12 @@ class OpenAIServer:
     ) -> Reply:
         choices = self._requests(prompts, fmt)
         live = [req for _, req in choices if req is not None]
+        if len(live) > self.admission.limit:  # it could never be admitted: not a 429 to retry
+            raise bad_request(
+                f"n: {len(live)} choices (prompts x n) are more than this server runs at once "
+                f"({self.admission.limit}); ask for fewer",
+                param="n",
+            )
         slot = self.admission.acquire(max(1, len(live)))
         deadline = Deadline(self.request_timeout_s)
         streams = [self.pipe.stream_request(req) for req in live]

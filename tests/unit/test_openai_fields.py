@@ -161,6 +161,8 @@ def test_n_and_prompt_lists_fan_out_into_indexed_choices() -> None:
             texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
     assert texts == {i: c["text"] for i, c in enumerate(choices)}
     assert events[-1]["usage"] == reply["usage"] and events[-1]["choices"] == []
+    status, reply, _ = _ask(COMPLETIONS, {"prompt": ["a", "b", "c"], "n": 11})  # 33 > the limit of 32
+    assert status == 400 and reply["error"]["param"] == "n", reply
     status, reply, _ = _ask(CHAT, {**MESSAGES, "n": 2})
     assert [c["index"] for c in reply["choices"]] == [0, 1]
     assert reply["choices"][0]["message"] == reply["choices"][1]["message"]
