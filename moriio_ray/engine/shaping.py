@@ -136,7 +136,7 @@ class ShapingPlan:
     """What one step applies; built before the forward pass (the rows' pending counts change after)."""
 
     repetition: _Flat  # each distinct prompt and output token of a row, value: its penalty
-    output: _Flat  # each distinct output token known on the host, value: -(frequency x count + presence)
+    output: _Flat  # each distinct output token known on the host, value: its count
     repetition_by_row: list[float]  # per row (1 where the row has none)
     presence: list[float]  # per row (0 where the row has none)
     frequency: list[float]  # per row
@@ -163,8 +163,7 @@ def plan_shaping(seqs: list[Sequence], eos_ids: list[int] | tuple[int, ...]) -> 
                 plan.repetition_by_row[i] = p.repetition_penalty
                 plan.repetition.add(i, tokens.seen.view)
             if penalized and tokens.out.size:
-                values = tokens.counts.view * -p.frequency_penalty - p.presence_penalty
-                plan.output.add(i, tokens.out.view, values)
+                plan.output.add(i, tokens.out.view, tokens.counts.view)  # values: counts, for now
             plan.presence[i], plan.frequency[i] = p.presence_penalty, p.frequency_penalty
             if seq.num_pending:
                 plan.pending_rows.append(i)
@@ -199,7 +198,7 @@ def apply_shaping(logits: torch.Tensor, plan: ShapingPlan, prev_tokens: torch.Te
         scale = penalty.index_select(0, rep // vocab)
         flat.index_copy_(0, rep, torch.where(values > 0, values / scale, values * scale))
     if out is not None:
-        flat.index_add_(0, out, plan.output.vals(device))
+        flat.index_add_(0, out, upload(_penalties(plan), device))
     if pending is not None:
         frequency = upload(np.asarray(plan.frequency, dtype=np.float32), device)  # [R]
         presence = upload(np.asarray(plan.presence, dtype=np.float32), device)  # [R]
@@ -212,6 +211,15 @@ def apply_shaping(logits: torch.Tensor, plan: ShapingPlan, prev_tokens: torch.Te
     if banned is not None:
         flat.index_fill_(0, banned, float("-inf"))
     return logits
+
+
+def _penalties(plan: ShapingPlan) -> np.ndarray:
+    """[N] -(frequency x count + presence) per distinct output token of ``plan.output``, for all its
+    rows in three vector operations (not a few small ones per row)."""
+    lengths = [len(t) for t in plan.output.tokens]
+    frequency = np.repeat(np.asarray(plan.frequency, dtype=np.float32)[plan.output.rows], lengths)
+    presence = np.repeat(np.asarray(plan.presence, dtype=np.float32)[plan.output.rows], lengths)
+    return -(np.concatenate(plan.output.values) * frequency + presence)
 
 
 def _pending_keys(
