@@ -76,12 +76,23 @@ def random_prompts(batch: int, prompt_len: int, vocab: int, seed: int) -> list[l
 # the engine
 
 
-def engine_run(engine: Engine, batch: int, prompt_len: int, decode_steps: int, seed: int) -> dict[str, float]:
+# What ``--shaping`` puts on every request: the penalties and a logit bias (issue: their cost at c=64)
+SHAPING: dict[str, Any] = {
+    "presence_penalty": 0.5,
+    "frequency_penalty": 0.5,
+    "repetition_penalty": 1.1,
+    "logit_bias": {token: 1.0 for token in range(0, 256, 16)},
+}
+
+
+def engine_run(
+    engine: Engine, batch: int, prompt_len: int, decode_steps: int, seed: int, shaped: bool = False
+) -> dict[str, float]:
     """One prefill step of ``batch`` prompts, then ``decode_steps`` decode steps; seconds and tokens.
     With overlapped scheduling a step's tokens come back with the next step: the prefill phase ends
     with the step that returns the first tokens (it launched the first decode), and the decode phase
     ends with the step that only reads the last one back."""
-    params = SamplingParams(max_tokens=decode_steps + 1, ignore_eos=True)
+    params = SamplingParams(max_tokens=decode_steps + 1, ignore_eos=True, **(SHAPING if shaped else {}))
     for i, prompt in enumerate(random_prompts(batch, prompt_len, engine.args.vocab_size, seed)):
         engine.add_request(f"b{batch}-s{seed}-{i}", prompt, params)
     prefill_s, num_first = 0.0, 0
@@ -276,6 +287,11 @@ def main() -> None:
         choices=["", "torch", "triton"],
         help="also run an engine with these kernels, side by side (series engine-<kernels>)",
     )
+    parser.add_argument(
+        "--shaping",
+        action="store_true",
+        help="also run the engine with penalties and logit_bias on every request (series engine-shaped)",
+    )
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     a = parser.parse_args()
     if a.threads:
@@ -319,6 +335,10 @@ def main() -> None:
         systems: dict[str, Callable[[int], dict[str, float]]] = {
             "engine": functools.partial(engine_run, engine, batch, a.prompt_len, a.decode_steps)
         }
+        if a.shaping:
+            systems["engine-shaped"] = functools.partial(
+                engine_run, engine, batch, a.prompt_len, a.decode_steps, shaped=True
+            )
         if baseline is not None:
             systems[f"engine-{a.baseline_kernels}"] = functools.partial(
                 engine_run, baseline, batch, a.prompt_len, a.decode_steps
@@ -333,6 +353,10 @@ def main() -> None:
                 f"decode {row[name]['decode_tok_s']:,.0f} tok/s",
                 flush=True,
             )
+        if a.shaping:
+            cost = 1 - row["engine-shaped"]["decode_tok_s"] / row["engine"]["decode_tok_s"]
+            row["shaping_decode_cost"] = cost
+            print(f"  shaping (penalties + logit_bias on every request): decode cost {cost:.1%}")
         if hf is not None:
             row["ratio"] = {k: row["engine"][k] / row["hf"][k] for k in ("prefill_tok_s", "decode_tok_s")}
             ratio = row["ratio"]

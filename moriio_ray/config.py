@@ -234,8 +234,11 @@ class ServeConfig(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
     default_max_tokens: int = 64
     num_replicas: int = 1
     stream_interval: int = 8  # tokens per SSE event (the first goes at once; 1: one per output)
+    # a request field the server does not know: a 400 naming it, or ignored (named in a header)
+    unknown_fields: str = "ignore"  # reject | ignore
 
     def __post_init__(self) -> None:
+        _choice(self, "unknown_fields", ("reject", "ignore"))
         _at_least(self, "max_ongoing_requests", 1)
         _positive(self, "request_timeout_s")
         _at_least(self, "default_max_tokens", 1)

@@ -43,16 +43,21 @@ COMMON: dict[str, tuple[st.SearchStrategy[Any], st.SearchStrategy[Any]]] = {
     "top_p": (st.sampled_from([1.0, 0.9, 0.5, 1e-3]), floats | wild),
     "top_k": (st.sampled_from([-1, 0, 1, 5, 260]), ints | wild),
     "seed": (st.integers(0, 2**64 - 1) | st.integers(-(2**63), 0), ints | wild),
-    "n": (st.just(1), ints | wild),
+    "n": (st.integers(1, 3), ints | wild),
     "stream": (st.booleans(), wild),
     "stream_options": (st.fixed_dictionaries({}, optional={"include_usage": st.booleans()}), wild),
     "stop": (st.text(min_size=1, max_size=3) | st.lists(st.text(min_size=1, max_size=4), max_size=3), wild),
     "stop_token_ids": (st.lists(st.integers(0, 259), max_size=4), token_ids | wild),
     "ignore_eos": (st.booleans(), wild),
     "user": (st.text(max_size=8), wild),
+    "presence_penalty": (st.sampled_from([0.0, 0.5, -1.5]), floats | wild),
+    "frequency_penalty": (st.sampled_from([0.0, 1.0, 2.0]), floats | wild),
+    "repetition_penalty": (st.sampled_from([1.0, 1.3]), floats | wild),
+    "min_tokens": (st.integers(0, 1), ints | wild),
+    "logit_bias": (st.dictionaries(st.integers(0, 259).map(str), st.floats(-100, 100), max_size=3), wild),
 }
 EXTRA_KEYS = st.sampled_from(
-    ["frequency_penalty", "kv_transfer_params", "remote_host", "kv_x", "best_of", ""]
+    ["mood", "kv_transfer_params", "remote_host", "kv_x", "best_of", "suffix", "tools", ""]
 )
 
 prompts = (
@@ -111,7 +116,11 @@ def _body(required: dict[str, tuple[Any, Any]], extra: dict[str, tuple[Any, Any]
 
 
 completion_bodies = _body(
-    {"prompt": prompts}, {"logprobs": (st.sampled_from([0, None]), st.sampled_from([1, -1]) | wild)}
+    {"prompt": prompts},
+    {
+        "logprobs": (st.sampled_from([0, 2, None]), st.sampled_from([21, -1]) | wild),
+        "echo": (st.booleans(), wild),
+    },
 )
 chat_bodies = _body(
     {"messages": messages},

@@ -74,6 +74,22 @@ KINDS = [
     Kind("chat stream", CHAT, {"stream": True}),
     Kind("chat stream usage", CHAT, STREAM_USAGE),
     Kind("chat stream logprobs usage", CHAT, {**STREAM_USAGE, "logprobs": True}),
+    Kind("completion n=3 logprobs=5", COMPLETIONS, {"n": 3, "logprobs": 5, "temperature": 1, "seed": 1}),
+    Kind("completion stream n=2 logprobs=3 usage", COMPLETIONS, {**STREAM_USAGE, "n": 2, "logprobs": 3}),
+    Kind("completion echo", COMPLETIONS, {"echo": True}),
+    Kind("completion echo max_tokens=0", COMPLETIONS, {"echo": True, "max_tokens": 0}),
+    Kind("completion two prompts", COMPLETIONS, {"prompt": ["Hello", "there"], "n": 2}),
+    Kind(
+        "completion penalties",
+        COMPLETIONS,
+        {"presence_penalty": 1, "frequency_penalty": 1, "logit_bias": {"5": -100}, "min_tokens": 2},
+    ),
+    Kind("chat n=2 top_logprobs=5", CHAT, {"n": 2, "logprobs": True, "top_logprobs": 5}),
+    Kind(
+        "chat stream n=2 top_logprobs=3 usage",
+        CHAT,
+        {**STREAM_USAGE, "n": 2, "logprobs": True, "top_logprobs": 3},
+    ),
     Kind("models", MODELS, {}),
 ]
 
@@ -95,7 +111,7 @@ _CHAT_MESSAGES = _PROMPT[CHAT]["messages"]
 ERRORS = [
     ErrorCase("invalid JSON", 400, "POST", COMPLETIONS, b'{"prompt": '),
     ErrorCase("wrong type", 400, "POST", COMPLETIONS, _json(prompt="a", max_tokens="ten")),
-    ErrorCase("unknown field", 400, "POST", CHAT, _json(messages=_CHAT_MESSAGES, frequency_penalty=0.5)),
+    ErrorCase("refused field", 400, "POST", CHAT, _json(messages=_CHAT_MESSAGES, tools=[{"type": "x"}])),
     ErrorCase("transfer field", 400, "POST", COMPLETIONS, _json(prompt="a", kv_transfer_params={})),
     ErrorCase("prompt too long", 400, "POST", COMPLETIONS, _json(prompt="y" * 3000)),
     ErrorCase("unknown model", 404, "POST", CHAT, _json(model="gpt-4o", messages=_CHAT_MESSAGES)),
@@ -135,6 +151,19 @@ def _check_exercised(kind: Kind, bodies: list[Any]) -> None:
     assert choices, f"{kind.name}: no choices"
     if kind.fields.get("logprobs") not in (None, False):
         assert any(c["logprobs"] is not None for c in choices), f"{kind.name}: no logprobs"
+    top = kind.fields.get("top_logprobs") or kind.fields.get("logprobs")
+    if isinstance(top, int) and not isinstance(top, bool) and top > 0:
+        if kind.path == CHAT:
+            alternatives = [
+                t["top_logprobs"] for c in choices if c["logprobs"] for t in c["logprobs"]["content"]
+            ]
+        else:
+            alternatives = [list(t) for c in choices if c["logprobs"] for t in c["logprobs"]["top_logprobs"]]
+        assert alternatives and all(len(a) >= top for a in alternatives), f"{kind.name}: {alternatives[:3]}"
+    n = kind.fields.get("n", 1) * len(
+        kind.fields.get("prompt", [0]) if isinstance(kind.fields.get("prompt"), list) else [0]
+    )
+    assert {c["index"] for c in choices} == set(range(n)), f"{kind.name}: choice indices"
     if kind.fields.get("stream_options") == USAGE:
         assert bodies[-1]["usage"] is not None and bodies[-1]["choices"] == [], bodies[-1]
 

@@ -32,18 +32,20 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import msgspec
 import torch
 
 from moriio_ray.config import EngineConfig, ModelConfig
 from moriio_ray.engine.admission import check_request, new_sequence, request_error
 from moriio_ray.engine.batch import PrefillChunk
 from moriio_ray.engine.block_allocator import BlockAllocator
-from moriio_ray.engine.outputs import StepOutput
+from moriio_ray.engine.grammar import Constraints
+from moriio_ray.engine.outputs import PromptLogprobs, StepOutput
 from moriio_ray.engine.rank import build_rank
 from moriio_ray.engine.sampling import SamplingParams
 from moriio_ray.engine.scheduler import Scheduler
 from moriio_ray.engine.sequence import SeqState, Sequence, blocks_for
-from moriio_ray.engine.stepping import InFlight, failure_output, launch, prefill_result
+from moriio_ray.engine.stepping import InFlight, TopLogprobs, failure_output, launch, prefill_result
 from moriio_ray.engine.stopping import check_stop
 from moriio_ray.engine.tokenizer import load_tokenizer
 from moriio_ray.engine.tp import SINGLE, TPGroup
@@ -57,6 +59,12 @@ log = logging.getLogger(__name__)
 
 ROLES = ("prefill", "decode", "colocated")
 LayerHook = Callable[[int, list[PrefillChunk]], None]
+
+
+def _prompt_logprobs(seq: Sequence) -> PromptLogprobs | None:
+    if seq.prompt_logprobs is None:
+        return None
+    return PromptLogprobs([lp for lp, _ in seq.prompt_logprobs], [top for _, top in seq.prompt_logprobs])
 
 
 class Engine:
@@ -108,11 +116,14 @@ class Engine:
         self._seqs: dict[str, Sequence] = {}
         self._pending: list[StepOutput] = []  # outputs produced outside step(), returned by the next one
         self._layer_hook: LayerHook | None = None
+        self.constraints = Constraints(self.tokenizer, self.args.vocab_size)  # structured output
         self._lock = threading.RLock()
 
     # -- admission ------------------------------------------------------------------------------
 
     def _check_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+        if params.response_format is not None:
+            self.constraints.check(params.response_format)  # InvalidRequest: the grammar fails
         in_use = request_id in self._seqs or self.allocator.get_lease(request_id) is not None
         check_request(
             request_id,
@@ -249,6 +260,10 @@ class Engine:
         reads back while the device runs this one."""
         with self._lock:
             outputs, self._pending = self._pending, []
+            if self._in_flight is not None and self._constrained():
+                # a grammar's mask needs the previous token on the host: no overlap meanwhile
+                outputs += self._read_back(self._in_flight)
+                self._in_flight = None
             batch = self.scheduler.schedule()
             launched = None
             if batch is not None:
@@ -256,7 +271,13 @@ class Engine:
                     self._steps.send(encode_batch(batch))  # the other ranks run the same batch
                 prev = self._in_flight.tokens if self._in_flight is not None else None
                 launched = launch(
-                    batch, self.runner, hook=self._layer_hook, prev_tokens=prev, on_failure=self._drop
+                    batch,
+                    self.runner,
+                    hook=self._layer_hook,
+                    prev_tokens=prev,
+                    on_failure=self._drop,
+                    eos_ids=self.tokenizer.eos_token_ids,
+                    constraints=self.constraints,
                 )
                 for seq in batch.seqs:  # their KV is computed (queued on the device, in order)
                     self.scheduler.register_computed(seq)
@@ -265,9 +286,12 @@ class Engine:
                 outputs += self._read_back(done)
             return outputs
 
+    def _constrained(self) -> bool:
+        return any(s.params.response_format is not None for s in self.scheduler.running)
+
     def _read_back(self, done: InFlight) -> list[StepOutput]:
         """The outputs of a launched step: its tokens appended, stop checks, finished requests."""
-        tokens, logprobs = done.read()
+        tokens, logprobs, tops = done.read()
         outputs = []
         for i, row in enumerate(done.rows):
             seq = row.seq
@@ -276,13 +300,18 @@ class Engine:
                     outputs.append(failure_output(seq, row.error))
             elif seq.generation == row.generation and seq.state is SeqState.RUNNING:
                 seq.num_pending -= 1
-                outputs.append(self._advance(seq, tokens[i], logprobs[i] if logprobs is not None else None))
+                logprob = logprobs[i] if logprobs is not None else None
+                outputs.append(self._advance(seq, tokens[i], logprob, tops[i] if tops is not None else None))
             # else: preempted (it samples this token again), aborted, or finished by an earlier token
         return outputs
 
-    def _advance(self, seq: Sequence, token: int, logprob: float | None) -> StepOutput:
+    def _advance(
+        self, seq: Sequence, token: int, logprob: float | None, top: TopLogprobs | None
+    ) -> StepOutput:
         seq.output_ids.append(token)
-        logprob = logprob if seq.params.logprobs else None
+        want = seq.params.logprobs or seq.params.top_logprobs > 0
+        logprob = logprob if want else None
+        top = top[: seq.params.top_logprobs] if top is not None and seq.params.top_logprobs else None
         try:
             reason = check_stop(seq, self.tokenizer, self.max_model_len)
         except Exception as exc:  # this request's stop rule failed: end it alone
@@ -294,13 +323,16 @@ class Engine:
             finish_reason=reason,
             logprobs=[logprob] if logprob is not None else None,
             num_cached_tokens=seq.num_hit_tokens if len(seq.output_ids) == 1 else 0,
+            top_logprobs=[top] if top is not None else None,
+            prompt_logprobs=_prompt_logprobs(seq) if len(seq.output_ids) == 1 else None,
         )
         if seq.prefill_only:
             # a first token that already ends the request leaves nothing for a peer to read
             lease_s = self.lease_s if seq.lease_s is None else seq.lease_s
             out.prefill = prefill_result(
-                self.allocator, seq, self.block_size, token, logprob, lease_s, reason
+                self.allocator, seq, self.block_size, token, logprob, lease_s, reason, top
             )
+            out.prefill = msgspec.structs.replace(out.prefill, prompt_logprobs=out.prompt_logprobs)
             out.finished = True
         if out.finished:
             self.scheduler.finish(seq)

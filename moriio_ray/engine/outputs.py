@@ -5,6 +5,14 @@ from __future__ import annotations
 import msgspec
 
 
+class PromptLogprobs(msgspec.Struct, frozen=True, array_like=True):
+    """A prompt's tokens' log probabilities (None for the first: nothing precedes it) and, per
+    token, its alternatives (token id, log probability), most likely first (empty for the first)."""
+
+    logprobs: list[float | None]
+    top: list[list[tuple[int, float]]]
+
+
 class PrefillResult(msgspec.Struct, frozen=True, kw_only=True):
     """A prefill engine's handle on a finished prompt: which blocks hold its KV, and for how long.
 
@@ -19,6 +27,8 @@ class PrefillResult(msgspec.Struct, frozen=True, kw_only=True):
     lease_deadline_unix: float  # wall-clock time.time(): it travels to other processes
     first_logprob: float | None = None
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache, not computed
+    first_top_logprobs: list[tuple[int, float]] | None = None  # the first token's alternatives
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class StepOutput(msgspec.Struct, kw_only=True):
@@ -36,6 +46,9 @@ class StepOutput(msgspec.Struct, kw_only=True):
     finished: bool
     finish_reason: str | None = None
     logprobs: list[float] | None = None
+    # per new token, its alternatives: (token id, raw log probability), most likely first
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # with a request's first token, if it asked
     prefill: PrefillResult | None = None
     error: tuple[str, str] | None = None
     num_cached_tokens: int = 0  # on a request's first output: prompt tokens found in the prefix cache

@@ -112,11 +112,13 @@ class ModelRunner:
         batch: Batch,
         layer_hook: Callable[[int], None] | None = None,
         prev_tokens: torch.Tensor | None = None,
+        keep: dict[int, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Logits [R, vocab] (float32) for the next token of each row that samples, in row order
         (without ``with_logits``: whatever the forward pass left, for a rank that only keeps its
         KV). ``prev_tokens``: the previous step's sampled tokens, which rows fed from the device
-        read."""
+        read. ``keep``: rows whose every token's final hidden state [q_len, hidden] the call puts in
+        it (prompt logprobs), keyed by row."""
         if batch.is_decode and self.graphs is not None:
             logits = self.graphs.run(batch.seqs, prev_tokens)
             if logits is not None:
@@ -125,6 +127,10 @@ class ModelRunner:
         hidden = self.model(ids, positions, self.kv_cache.layers, meta, layer_hook)
         if not self.with_logits:
             return hidden
+        if keep is not None:
+            starts = np.cumsum([0, *batch.q_lens])
+            for row in list(keep):
+                keep[row] = hidden[int(starts[row]) : int(starts[row + 1])]
         if sample_index is not None:
             hidden = hidden[sample_index]
         return self.model.compute_logits(hidden)

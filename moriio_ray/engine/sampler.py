@@ -9,6 +9,7 @@ is the same on every engine and in every batch composition, on CPU and CUDA alik
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -70,6 +71,7 @@ class SamplingRow:
     top_p: float
     key: int  # row_key(seed, position)
     want_logprob: bool
+    top_logprobs: int = 0  # alternatives to return beside the sampled token's log probability
 
 
 def _filter(scaled: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -86,9 +88,20 @@ def _filter(scaled: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     return torch.full_like(scaled, float("-inf")).scatter(1, order, values)
 
 
-def sample_device(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Sampled token ids [B] int64 and, when a row asks for them, the raw log probabilities [B]
-    float32 of the sampled tokens, for logits [B, V] float32; on the device, without a host sync."""
+class Sampled(NamedTuple):
+    """One step's samples on the device: token ids [B] int64; when a row asks, the raw log
+    probabilities [B] float32 of the sampled tokens and the ``k`` most likely tokens' ids [B, k]
+    int64 and log probabilities [B, k] float32 (``k`` the largest ``top_logprobs`` of the rows)."""
+
+    tokens: torch.Tensor
+    logprobs: torch.Tensor | None = None
+    top_ids: torch.Tensor | None = None
+    top_logprobs: torch.Tensor | None = None
+
+
+def sample_device(logits: torch.Tensor, rows: list[SamplingRow], raw: torch.Tensor | None = None) -> Sampled:
+    """Sample logits [B, V] float32 on the device, without a host sync. ``raw``: the logits before
+    shaping (penalties, bias), which the log probabilities are taken from (default ``logits``)."""
     greedy = logits.argmax(dim=-1)  # [B]
     tokens = greedy
     device = logits.device
@@ -101,10 +114,16 @@ def sample_device(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.
         sampled = (scaled.softmax(dim=-1) / noise).argmax(dim=-1)
         is_greedy = _on(device, [not _random(r) for r in rows], torch.bool)
         tokens = torch.where(is_greedy, greedy, sampled)
-    logprobs = None
-    if any(r.want_logprob for r in rows):
-        logprobs = logits.log_softmax(dim=-1).gather(1, tokens[:, None]).squeeze(1)  # [B]
-    return tokens, logprobs
+    if not any(r.want_logprob for r in rows):
+        return Sampled(tokens)
+    source = logits if raw is None else raw
+    log_probs = source.log_softmax(dim=-1)  # [B, V]
+    chosen = log_probs.gather(1, tokens[:, None]).squeeze(1)  # [B]
+    k = max(r.top_logprobs for r in rows)
+    if not k:
+        return Sampled(tokens, chosen)
+    top_values, top_ids = log_probs.topk(k, dim=-1)  # [B, k], sorted, most likely first
+    return Sampled(tokens, chosen, top_ids, top_values)
 
 
 def _random(row: SamplingRow) -> bool:
@@ -112,48 +131,57 @@ def _random(row: SamplingRow) -> bool:
 
 
 def sample_each_device(
-    logits: torch.Tensor, rows: list[SamplingRow]
-) -> tuple[torch.Tensor, torch.Tensor | None, list[BaseException | None]]:
+    logits: torch.Tensor, rows: list[SamplingRow], raw: torch.Tensor | None = None
+) -> tuple[Sampled, list[BaseException | None]]:
     """``sample_device``, isolating rows: if the batch fails, each row is sampled alone (a row's
     token does not depend on the batch), and only the rows that fail alone get an error (token -1)."""
     try:
-        tokens, logprobs = sample_device(logits, rows)
-        return tokens, logprobs, [None] * len(rows)
+        return sample_device(logits, rows, raw), [None] * len(rows)
     except Exception:
         pass
-    token_rows: list[torch.Tensor] = []
-    logprob_rows: list[torch.Tensor] = []
+    raw = logits if raw is None else raw
+    parts: list[Sampled] = []
     errors: list[BaseException | None] = []
-    failed = torch.full((1,), -1, dtype=torch.int64, device=logits.device)
-    nan = torch.full((1,), float("nan"), device=logits.device)
+    want = any(r.want_logprob for r in rows)
+    k = max(r.top_logprobs for r in rows) if want else 0
+    device = logits.device
+    failed = Sampled(
+        torch.full((1,), -1, dtype=torch.int64, device=device),
+        torch.full((1,), float("nan"), device=device),
+        torch.zeros((1, k), dtype=torch.int64, device=device),
+        torch.full((1, k), float("nan"), device=device),
+    )
     for i, row in enumerate(rows):
         error: BaseException | None = None
+        # every row asks for what the batch asks for, so that the parts stack
+        alone = dataclasses.replace(row, want_logprob=want, top_logprobs=k)
         try:
-            token, logprob = sample_device(logits[i : i + 1], [row])
+            part = sample_device(logits[i : i + 1], [alone], raw[i : i + 1])
         except Exception as exc:
-            token, logprob, error = failed, None, exc
-        token_rows.append(token)
-        logprob_rows.append(logprob if logprob is not None else nan)
+            part, error = failed, exc
+        parts.append(part)
         errors.append(error)
-    want = any(r.want_logprob for r in rows)
-    return torch.cat(token_rows), torch.cat(logprob_rows) if want else None, errors
+
+    def cat(name: str) -> torch.Tensor | None:
+        return torch.cat([getattr(p, name) for p in parts]) if getattr(parts[0], name) is not None else None
+
+    tokens = torch.cat([p.tokens for p in parts])
+    return Sampled(tokens, cat("logprobs"), cat("top_ids"), cat("top_logprobs")), errors
 
 
-def _on_host(
-    rows: list[SamplingRow], tokens: torch.Tensor, logprobs: torch.Tensor | None
-) -> tuple[list[int], list[float | None]]:
-    lps = logprobs.tolist() if logprobs is not None else [None] * len(rows)
-    return tokens.tolist(), [lp if r.want_logprob else None for r, lp in zip(rows, lps, strict=True)]
+def _on_host(rows: list[SamplingRow], sampled: Sampled) -> tuple[list[int], list[float | None]]:
+    lps = sampled.logprobs.tolist() if sampled.logprobs is not None else [None] * len(rows)
+    return sampled.tokens.tolist(), [lp if r.want_logprob else None for r, lp in zip(rows, lps, strict=True)]
 
 
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[float | None]]:
     """``sample_device``, read back: token ids and (where asked for) their log probabilities."""
-    return _on_host(rows, *sample_device(logits, rows))
+    return _on_host(rows, sample_device(logits, rows))
 
 
 def sample_each(
     logits: torch.Tensor, rows: list[SamplingRow]
 ) -> tuple[list[int], list[float | None], list[BaseException | None]]:
     """``sample_each_device``, read back."""
-    tokens, logprobs, errors = sample_each_device(logits, rows)
-    return (*_on_host(rows, tokens, logprobs), errors)
+    sampled, errors = sample_each_device(logits, rows)
+    return (*_on_host(rows, sampled), errors)

@@ -56,6 +56,8 @@ class Sequence:
     num_registered: int = 0
     num_hit_tokens: int = 0
     admitted: bool = False
+    # params.prompt_logprobs: (logprob, alternatives) per prompt token, filled chunk by chunk
+    prompt_logprobs: list[tuple[float | None, list[tuple[int, float]]]] | None = None
 
     @property
     def num_tokens(self) -> int:

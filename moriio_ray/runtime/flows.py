@@ -28,6 +28,7 @@ import msgspec
 import ray
 
 from moriio_ray.config import PipelineConfig
+from moriio_ray.engine.outputs import PromptLogprobs
 from moriio_ray.errors import PeerLost
 from moriio_ray.runtime.deadline import deadline
 from moriio_ray.runtime.detached import send
@@ -55,6 +56,8 @@ class TokenChunk:
     token_ids: list[int]
     logprobs: list[float] | None = None
     finish_reason: str | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # per token, its alternatives
+    prompt_logprobs: PromptLogprobs | None = None  # with the first token, when asked for
 
     @property
     def finished(self) -> bool:
@@ -132,7 +135,11 @@ class Flows:
                 attempt = GenRequest(
                     request_id=f"{req.request_id}:cont{state.retries}",
                     prompt_token_ids=[*req.prompt_token_ids, *state.emitted],
-                    params=msgspec.structs.replace(req.params, max_tokens=left),
+                    params=msgspec.structs.replace(
+                        req.params,
+                        max_tokens=left,
+                        min_tokens=max(0, req.params.min_tokens - len(state.emitted)),
+                    ),
                     sample_offset=req.sample_offset + len(state.emitted),  # the same seeded draws
                 )
 
@@ -209,7 +216,14 @@ class Flows:
                 state.timings.transfer_bytes = result.num_bytes
             # 5. The first token, from P's result.
             done = result.finish_reason is not None
-            yield TokenChunk([result.first_token], _lp(result.first_logprob), result.finish_reason)
+            first_top = [result.first_top_logprobs] if result.first_top_logprobs is not None else None
+            yield TokenChunk(
+                [result.first_token],
+                _lp(result.first_logprob),
+                result.finish_reason,
+                first_top,
+                result.prompt_logprobs,
+            )
             if done:
                 return
             # 6. D has the KV and decodes; its tokens follow on the stream.
@@ -305,13 +319,18 @@ def _merge(items: list[RequestOutput]) -> TokenChunk:
     if len(items) == 1:
         item = items[0]
         item.raise_error()
-        return TokenChunk(item.token_ids, item.logprobs, item.finish_reason)
+        return TokenChunk(
+            item.token_ids, item.logprobs, item.finish_reason, item.top_logprobs, item.prompt_logprobs
+        )
     chunk = TokenChunk([])
     for item in items:
         item.raise_error()
         chunk.token_ids.extend(item.token_ids)
         if item.logprobs is not None:
             chunk.logprobs = [*(chunk.logprobs or []), *item.logprobs]
+        if item.top_logprobs is not None:
+            chunk.top_logprobs = [*(chunk.top_logprobs or []), *item.top_logprobs]
+        chunk.prompt_logprobs = chunk.prompt_logprobs or item.prompt_logprobs
         chunk.finish_reason = item.finish_reason
         if item.finished:
             break

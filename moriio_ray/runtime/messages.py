@@ -14,6 +14,7 @@ from typing import Any
 import msgspec
 
 from moriio_ray import errors
+from moriio_ray.engine.outputs import PromptLogprobs, StepOutput
 from moriio_ray.engine.sampling import SamplingParams
 from moriio_ray.transfer.desc import EngineDesc, MemoryDesc
 from moriio_ray.transfer.layout import KVLayout
@@ -92,6 +93,8 @@ class KVHandle(msgspec.Struct, frozen=True, kw_only=True):
     prefill_done_unix: float
     prefill_s: float
     finish_reason: str | None = None  # set: the first token already ended the request
+    first_top_logprobs: list[tuple[int, float]] | None = None  # the first token's alternatives
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class Reservation(msgspec.Struct, frozen=True, kw_only=True):
@@ -118,6 +121,8 @@ class PushResult(msgspec.Struct, frozen=True, kw_only=True):
     num_segments: int
     finish_reason: str | None = None
     num_cached_tokens: int = 0  # prompt tokens P found in its prefix cache (not computed)
+    first_top_logprobs: list[tuple[int, float]] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 Handoff = KVHandle | PushResult  # what P hands to D
@@ -151,6 +156,22 @@ class RequestOutput(msgspec.Struct, array_like=True):
     finish_reason: str | None = None  # set on the last output of a request
     error: tuple[str, str] | None = None  # (typed error class name, message): the request failed
     num_cached_tokens: int = 0  # colocated, on the first output: prompt tokens found cached
+    # per token, its alternatives (token id, raw log probability), most likely first
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # with the first token, when the request asked
+
+    @classmethod
+    def of_step(cls, request_id: str, out: StepOutput) -> RequestOutput:
+        """An engine step's output of one request (its error travels separately)."""
+        return cls(
+            request_id,
+            out.new_token_ids,
+            out.logprobs,
+            out.finish_reason,
+            top_logprobs=out.top_logprobs,
+            prompt_logprobs=out.prompt_logprobs,
+            num_cached_tokens=out.num_cached_tokens,
+        )
 
     @property
     def finished(self) -> bool:

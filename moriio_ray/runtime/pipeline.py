@@ -220,6 +220,8 @@ class PDPipeline:
                     finished=finished,
                     finish_reason=reason,
                     logprobs=chunk.logprobs,
+                    top_logprobs=chunk.top_logprobs,
+                    prompt_logprobs=chunk.prompt_logprobs,
                     num_prompt_tokens=len(req.prompt_token_ids),
                     num_output_tokens=n_out,
                     num_cached_tokens=state.timings.cached_tokens or 0,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
+from moriio_ray.engine.outputs import PromptLogprobs
 from moriio_ray.runtime.messages import Timings
 
 
@@ -16,6 +17,8 @@ class StreamEvent(msgspec.Struct, kw_only=True):
     finished: bool = False
     finish_reason: str | None = None
     logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # per token: (id, logprob), best first
+    prompt_logprobs: PromptLogprobs | None = None  # on the first event, when the request asked
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (known from the first event)

@@ -21,14 +21,15 @@ class Admission:
         self.admitted = 0
         self.rejected = 0
 
-    def acquire(self) -> Slot:
-        """A slot, or a 429 APIError when ``limit`` requests are already in flight."""
-        if self.in_flight >= self.limit:
+    def acquire(self, count: int = 1) -> Slot:
+        """A slot for ``count`` requests (the choices of one HTTP request), or a 429 APIError when
+        they do not fit under ``limit``."""
+        if self.in_flight + count > self.limit:
             self.rejected += 1
             raise overloaded(self.limit)
-        self.in_flight += 1
+        self.in_flight += count
         self.admitted += 1
-        return Slot(self)
+        return Slot(self, count)
 
     def stats(self) -> dict[str, int]:
         return {
@@ -42,8 +43,9 @@ class Admission:
 class Slot:
     """One admitted request. ``release`` is idempotent; a slot dropped unreleased releases itself."""
 
-    def __init__(self, owner: Admission) -> None:
+    def __init__(self, owner: Admission, count: int = 1) -> None:
         self._owner: Admission | None = owner
+        self.count = count
 
     @property
     def held(self) -> bool:
@@ -52,7 +54,7 @@ class Slot:
     def release(self) -> None:
         owner, self._owner = self._owner, None
         if owner is not None:
-            owner.in_flight -= 1
+            owner.in_flight -= self.count
 
     def __del__(self) -> None:
         # A streaming response that Serve never started (the client left in between) is dropped

@@ -63,7 +63,7 @@ class SSEResponse(StreamingResponse):
         super().__init__(
             reply.frames,
             media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            headers={**reply.headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
         self._close = reply.close
         self._begin = reply.begin
@@ -79,7 +79,9 @@ class SSEResponse(StreamingResponse):
 
 
 def _json(reply: JSONReply) -> Response:
-    return Response(reply.body, status_code=reply.status, media_type="application/json")
+    return Response(
+        reply.body, status_code=reply.status, media_type="application/json", headers=reply.headers
+    )
 
 
 class OpenAIIngress:
@@ -103,6 +105,7 @@ class OpenAIIngress:
             request_timeout_s=cfg.serve.request_timeout_s,
             live_roles=self._live_roles,
             stream_interval=cfg.serve.stream_interval,
+            unknown_fields=cfg.serve.unknown_fields,
         )
 
     async def _live_roles(self) -> dict[str, int]:

@@ -20,7 +20,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import msgspec
@@ -37,7 +37,8 @@ from moriio_ray.serve.errors import (
 from moriio_ray.serve.openai import ChatCompletionRequest, CompletionRequest, parse_request
 from moriio_ray.serve.prepare import Limits, Prepared, TokenizerLike, prepare_chat, prepare_completion
 from moriio_ray.serve.responses import ChatFormat, CompletionFormat
-from moriio_ray.serve.stream import Deadline, Format, sse_frames, whole_body
+from moriio_ray.serve.stream import Deadline, Format, Merged, Source, gather_all, sse_frames, whole_body
+from moriio_ray.serve.tokenize import detokenize, tokenize
 
 log = logging.getLogger(__name__)
 
@@ -66,10 +67,14 @@ class PipelineLike(Protocol):
     async def stats_async(self) -> dict[str, Any]: ...
 
 
+IGNORED_HEADER = "X-Ignored-Fields"  # the unknown request fields ignored (serve.unknown_fields: ignore)
+
+
 @dataclass
 class JSONReply:
     status: int
     body: bytes
+    headers: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -80,6 +85,7 @@ class StreamReply:
     frames: AsyncIterator[bytes]
     close: Callable[[], Awaitable[None]]
     begin: Callable[[], None] = lambda: None
+    headers: dict[str, str] = field(default_factory=dict)
 
 
 Reply = JSONReply | StreamReply
@@ -101,12 +107,14 @@ class OpenAIServer:
         request_timeout_s: float,
         live_roles: Callable[[], Awaitable[dict[str, int]]],
         stream_interval: int = 1,
+        unknown_fields: str = "ignore",
     ) -> None:
         self.pipe = pipe
         self.limits = limits
         self.admission = Admission(max_ongoing_requests)
         self.request_timeout_s = request_timeout_s
         self.stream_interval = stream_interval  # tokens per SSE event (serve.stream_interval)
+        self.unknown_fields = unknown_fields  # serve.unknown_fields: reject | ignore
         self.live_roles = live_roles
         self.started_unix = int(time.time())
         self._cleanups: set[asyncio.Future[None]] = set()  # closes of dropped streams, kept alive
@@ -129,6 +137,8 @@ class OpenAIServer:
             "/v1/models": ("GET", self.models),
             "/health": ("GET", self.health),
             "/stats": ("GET", self.stats),
+            "/tokenize": ("POST", self.tokenize),
+            "/detokenize": ("POST", self.detokenize),
         }
         if path not in routes:
             raise APIError(404, f"no route {path}; see /v1/models", code="not_found")
@@ -142,18 +152,28 @@ class OpenAIServer:
     # -- generation -----------------------------------------------------------------------------
 
     async def completions(self, body: bytes) -> Reply:
-        req = parse_request(body, CompletionRequest)
-        prepared = self._prepare(lambda: prepare_completion(req, self.pipe.tokenizer, self.limits))
-        fmt = CompletionFormat(self.limits.model_name, self.pipe.tokenizer.decode, logprobs=req.logprobs == 0)
-        return await self._generate(prepared, fmt, stream=req.stream, include_usage=req.include_usage)
+        ignored: list[str] = []
+        req = parse_request(body, CompletionRequest, unknown_fields=self.unknown_fields, ignored=ignored)
+        prompts = self._prepare(lambda: prepare_completion(req, self.pipe.tokenizer, self.limits))
+        top = req.logprobs or 0
+        fmt = CompletionFormat(
+            self.limits.model_name, self.pipe.tokenizer.decode, logprobs=req.logprobs is not None, top=top
+        )
+        reply = await self._generate(prompts, fmt, stream=bool(req.stream), include_usage=req.include_usage)
+        return _with_ignored(reply, ignored)
 
     async def chat_completions(self, body: bytes) -> Reply:
-        req = parse_request(body, ChatCompletionRequest)
-        prepared = self._prepare(lambda: prepare_chat(req, self.pipe.tokenizer, self.limits))
-        fmt = ChatFormat(self.limits.model_name, self.pipe.tokenizer.decode, logprobs=req.logprobs)
-        return await self._generate(prepared, fmt, stream=req.stream, include_usage=req.include_usage)
+        ignored: list[str] = []
+        req = parse_request(body, ChatCompletionRequest, unknown_fields=self.unknown_fields, ignored=ignored)
+        prepared = self._prepare(lambda: [prepare_chat(req, self.pipe.tokenizer, self.limits)])
+        top = req.top_logprobs or 0
+        fmt = ChatFormat(
+            self.limits.model_name, self.pipe.tokenizer.decode, logprobs=bool(req.logprobs), top=top
+        )
+        reply = await self._generate(prepared, fmt, stream=bool(req.stream), include_usage=req.include_usage)
+        return _with_ignored(reply, ignored)
 
-    def _prepare(self, fn: Callable[[], Prepared]) -> Prepared:
+    def _prepare(self, fn: Callable[[], list[Prepared]]) -> list[Prepared]:
         try:
             return fn()
         except (UnicodeError, RecursionError, OverflowError) as exc:  # a tokenizer on odd input
@@ -163,37 +183,63 @@ class OpenAIServer:
         except Exception as exc:
             raise from_exception(exc, validating=True) from None
 
-    async def _generate(self, prepared: Prepared, fmt: Format, *, stream: bool, include_usage: bool) -> Reply:
-        try:
-            gen_req = self.pipe.make_request(
-                token_ids=prepared.token_ids, params=prepared.params, request_id=fmt.id
+    def _requests(self, prompts: list[Prepared], fmt: Format) -> list[tuple[Prepared, Any]]:
+        """(its prompt, the pipeline request or None where nothing is generated) per choice, in
+        choice order: ``n`` per prompt, each with its own sample stream."""
+        count = sum(p.n for p in prompts)
+        out: list[tuple[Prepared, Any]] = []
+        for prepared in prompts:
+            for j in range(prepared.n):
+                if not prepared.generate:
+                    out.append((prepared, None))
+                    continue
+                params = prepared.params
+                if j and params.seed is not None:  # a seeded request's choices draw apart
+                    params = msgspec.structs.replace(params, seed=(params.seed + j) % (1 << 64))
+                rid = fmt.id if count == 1 else f"{fmt.id}-{len(out)}"
+                try:
+                    req = self.pipe.make_request(token_ids=prepared.token_ids, params=params, request_id=rid)
+                except Exception as exc:
+                    raise from_exception(exc, validating=True, fields=prepared.fields) from None
+                out.append((prepared, req))
+        return out
+
+    async def _generate(
+        self, prompts: list[Prepared], fmt: Format, *, stream: bool, include_usage: bool
+    ) -> Reply:
+        choices = self._requests(prompts, fmt)
+        live = [req for _, req in choices if req is not None]
+        if len(live) > self.admission.limit:  # it could never be admitted: not a 429 to retry
+            raise bad_request(
+                f"n: {len(live)} choices (prompts x n) are more than this server runs at once "
+                f"({self.admission.limit}); ask for fewer",
+                param="n",
             )
-        except Exception as exc:
-            raise from_exception(exc, validating=True, fields=prepared.fields) from None
-        slot = self.admission.acquire()
+        slot = self.admission.acquire(max(1, len(live)))
         deadline = Deadline(self.request_timeout_s)
-        events = self.pipe.stream_request(gen_req)
+        streams = [self.pipe.stream_request(req) for req in live]
         try:
-            first = await deadline.next(events)
+            firsts = await gather_all([deadline.next(events) for events in streams])
         except BaseException as exc:
-            await _close(events, slot)
+            await _close(streams, slot)
             if isinstance(exc, Exception):
                 raise from_exception(exc, validating=False, request_id=fmt.id) from None
             raise
+        sources = _sources(choices, firsts, streams)
         if stream:
-            return self._stream_reply(fmt, first, events, deadline, include_usage, slot)
+            return self._stream_reply(fmt, sources, streams, deadline, include_usage, slot)
         try:
-            return JSONReply(200, await whole_body(fmt, first, events, deadline))
+            return JSONReply(200, await whole_body(fmt, sources, deadline))
         except Exception as exc:
             raise from_exception(exc, validating=False, request_id=fmt.id) from None
         finally:
-            await _close(events, slot)
+            await _close(streams, slot)
 
     def _stream_reply(
         self,
         fmt: Format,
-        first: Any,
-        events: AsyncIterator[Any],
+        sources: list[Source],
+        events: list[AsyncIterator[Any]],
         deadline: Deadline,
         include_usage: bool,
         slot: Slot,
@@ -211,14 +257,14 @@ class OpenAIServer:
             await _close(events, slot, frames)
 
         timer = asyncio.get_running_loop().call_later(STREAM_START_TIMEOUT_S, abandon)
-        frames = self._frames(fmt, first, events, deadline, include_usage, slot, timer.cancel)
+        frames = self._frames(fmt, sources, events, deadline, include_usage, slot, timer.cancel)
         return StreamReply(frames=frames, close=close, begin=timer.cancel)
 
     async def _frames(
         self,
         fmt: Format,
-        first: Any,
-        events: AsyncIterator[Any],
+        sources: list[Source],
+        events: list[AsyncIterator[Any]],
         deadline: Deadline,
         include_usage: bool,
         slot: Slot,
@@ -226,7 +272,7 @@ class OpenAIServer:
     ) -> AsyncIterator[bytes]:
         begin()
         frames = sse_frames(
-            fmt, first, events, deadline, interval=self.stream_interval, include_usage=include_usage
+            fmt, sources, deadline, interval=self.stream_interval, include_usage=include_usage
         )
         try:
             async for frame in frames:
@@ -236,6 +282,20 @@ class OpenAIServer:
             await _close(events, slot)
 
     # -- the rest -------------------------------------------------------------------------------
+
+    async def tokenize(self, body: bytes) -> Reply:
+        return JSONReply(200, self._tokenizing(lambda: tokenize(body, self.pipe.tokenizer, self.limits)))
+
+    async def detokenize(self, body: bytes) -> Reply:
+        return JSONReply(200, self._tokenizing(lambda: detokenize(body, self.pipe.tokenizer, self.limits)))
+
+    def _tokenizing(self, fn: Callable[[], bytes]) -> bytes:
+        try:
+            return fn()
+        except APIError:
+            raise
+        except Exception as exc:  # a tokenizer on odd input
+            raise bad_request(f"the text cannot be (de)tokenized ({type(exc).__name__})") from None
 
     async def models(self, body: bytes) -> Reply:
         card = {
@@ -268,11 +328,60 @@ class OpenAIServer:
         return JSONReply(200, msgspec.json.encode(stats))
 
 
-async def _close(events: AsyncIterator[Any], slot: Slot, frames: AsyncIterator[bytes] | None = None) -> None:
-    """Close the SSE frames, then the pipeline stream (cancelling the request), then free the slot."""
+async def _close(
+    events: list[AsyncIterator[Any]], slot: Slot, frames: AsyncIterator[bytes] | None = None
+) -> None:
+    """Close the SSE frames, then the pipeline streams (cancelling the requests), then free the slot."""
     try:
         if frames is not None:
             await frames.aclose()  # type: ignore[attr-defined]
-        await events.aclose()  # type: ignore[attr-defined]
+        for stream in events:
+            await stream.aclose()  # type: ignore[attr-defined]
     finally:
         slot.release()
+
+
+def _sources(
+    choices: list[tuple[Prepared, Any]], firsts: list[Any], streams: list[AsyncIterator[Any]]
+) -> list[Source]:
+    """A ``Source`` per choice: its first event and stream, and its echo."""
+    out: list[Source] = []
+    live = iter(zip(firsts, streams, strict=True))
+    seen: set[int] = set()
+    for prepared, req in choices:
+        counts_prompt = id(prepared) not in seen
+        seen.add(id(prepared))
+        first, events = next(live) if req is not None else (None, None)
+        prefix = None if prepared.echo is None else _echo(prepared, first)
+        if req is None or prepared.discard:  # echo alone (max_tokens 0): the prompt is the choice
+            assert prefix is not None
+            prefix.finished, prefix.finish_reason = True, "length"
+            out.append(Source(prefix, None, None, counts_prompt))
+            continue
+        assert first is not None
+        out.append(Source(first, events, prefix, counts_prompt))
+    return out
+
+
+def _echo(prepared: Prepared, first: Any) -> Merged:
+    """The prompt in front of a choice: its text and, when the first event carries them, its
+    tokens' log probabilities and alternatives (then the tokens are listed too)."""
+    prompt_logprobs = getattr(first, "prompt_logprobs", None)
+    return Merged(
+        token_ids=list(prepared.token_ids) if prompt_logprobs is not None else [],
+        text=prepared.echo or "",
+        logprobs=prompt_logprobs.logprobs if prompt_logprobs is not None else None,
+        finished=False,
+        finish_reason=None,
+        num_prompt_tokens=len(prepared.token_ids),
+        num_output_tokens=0,
+        top_logprobs=prompt_logprobs.top if prompt_logprobs is not None else None,
+    )
+
+
+def _with_ignored(reply: Reply, ignored: list[str]) -> Reply:
+    """The reply, naming the request's ignored unknown fields in a header (ASCII, bounded)."""
+    if ignored:
+        names = [n.encode("ascii", "backslashreplace").decode()[:64].replace(",", "_") for n in ignored[:32]]
+        reply.headers[IGNORED_HEADER] = ", ".join(names)
+    return reply

@@ -196,13 +196,7 @@ class EngineWorker:
             raise
         finally:
             rec.task = None
-        return RequestOutput(
-            req.request_id,
-            out.new_token_ids,
-            out.logprobs,
-            out.finish_reason,
-            num_cached_tokens=out.num_cached_tokens,
-        )
+        return RequestOutput.of_step(req.request_id, out)
 
     # -- prefill --------------------------------------------------------------------------------
 

@@ -139,7 +139,7 @@ class WorkerCore:
             elif rec.caller is not None:
                 self.hub.push(
                     rec.caller,
-                    RequestOutput(rec.request_id, out.new_token_ids, out.logprobs, out.finish_reason),
+                    RequestOutput.of_step(rec.request_id, out),
                 )
             if out.finished and rec.caller is not None:
                 self.table.close(rec)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -32,12 +31,6 @@ FUZZ = settings(max_examples=60, deadline=None, database=None, suppress_health_c
 def server(tiny_serve: Shared) -> ServeProcess:
     """The session's ``serve run configs/tiny_1p1d_cpu.yaml`` (tests/e2e/conftest.py)."""
     return tiny_serve.get()
-
-
-@pytest.fixture(scope="module")
-def http(server: ServeProcess) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.base_url, timeout=60) as client:
-        yield client
 
 
 def _valid_request_works(http: httpx.Client) -> None:

@@ -40,11 +40,6 @@ def server(tiny_serve: Shared) -> ServeProcess:
     return tiny_serve.get()
 
 
-@pytest.fixture(scope="module")
-def client(server: ServeProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
-
-
 @pytest.mark.timeout(60)
 def test_health_models_stats(server: ServeProcess) -> None:
     assert haproxy_pids(server), "the config's fast path should put HAProxy in front of the ingress"
@@ -150,9 +145,10 @@ BAD_INPUTS: list[tuple[str, bytes | dict[str, Any], int, str | None]] = [
     ("unknown model", {**A, "model": "gpt-4o"}, 404, "model"),
     ("transfer params", {**A, "kv_transfer_params": {"do_remote_decode": True}}, 400, "kv_transfer_params"),
     ("peer address", {**A, "remote_host": "10.0.0.9", "remote_port": 5555}, 400, "remote_host"),
-    ("unknown field", {**A, "frequency_penalty": 0.5}, 400, "frequency_penalty"),
-    ("batch of prompts", {**A, "prompt": ["a", "b"]}, 400, "prompt"),
-    ("n > 1", {**A, "n": 2}, 400, "n"),
+    ("refused field", {**A, "suffix": "x"}, 400, "suffix"),
+    ("best_of above n", {**A, "best_of": 3}, 400, "best_of"),
+    ("n too large", {**A, "n": 17}, 400, "n"),
+    ("bad prompt list", {**A, "prompt": ["a", 1]}, 400, "prompt"),
 ]
 
 

@@ -8,7 +8,9 @@ after ``MAX_TOKENS``, in both systems.
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,6 +25,8 @@ from moriio_ray import PDPipeline, SamplingParams  # noqa: E402
 from moriio_ray.config import EngineConfig, ModelConfig, parse_pipeline_config  # noqa: E402
 from moriio_ray.engine.engine import Engine  # noqa: E402
 from moriio_ray.engine.model_path import model_source  # noqa: E402
+from moriio_ray.serve.handler import JSONReply, OpenAIServer  # noqa: E402
+from moriio_ray.serve.prepare import Limits  # noqa: E402
 from tests.integration.helpers import assert_no_leaks  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
@@ -54,7 +58,17 @@ def reference() -> dict[str, Any]:
             )
             outputs.append(out[0, len(ids) :].tolist())
     chat_answer = tok.decode(outputs[-1], skip_special_tokens=True)
-    return {"prompts": prompts, "outputs": outputs, "chat_text": chat_text, "chat_answer": chat_answer}
+    with torch.no_grad():  # every prompt token's log probability given the tokens before it
+        log_probs = model(torch.tensor([prompts[0]])).logits[0].float().log_softmax(dim=-1)
+    prompt_logprobs = [log_probs[j - 1, t].item() for j, t in enumerate(prompts[0]) if j > 0]
+    return {
+        "prompts": prompts,
+        "outputs": outputs,
+        "chat_text": chat_text,
+        "chat_answer": chat_answer,
+        "prompt_logprobs": prompt_logprobs,
+        "prompt_top": log_probs[:-1].topk(5, dim=-1).indices.tolist(),
+    }
 
 
 @pytest.mark.timeout(300)  # includes loading transformers' reference (about 25 s on 2 idle cores)
@@ -93,6 +107,8 @@ def test_pd_pipeline_tokens_equal_transformers(ray_up: None, reference: dict[str
     )
     pipe = PDPipeline.launch(config)
     try:
+        if mode == "read":
+            _check_echo_logprobs(pipe, reference)
         results = pipe.generate_batch(reference["prompts"], GREEDY, max_concurrency=5)
         assert [r.token_ids for r in results] == reference["outputs"]
         chat = pipe.generate(reference["chat_text"], params=GREEDY)
@@ -100,3 +116,27 @@ def test_pd_pipeline_tokens_equal_transformers(ray_up: None, reference: dict[str
         assert_no_leaks(pipe)
     finally:
         pipe.shutdown()
+
+
+def _check_echo_logprobs(pipe: PDPipeline, reference: dict[str, Any]) -> None:
+    """``echo`` with ``logprobs`` and ``max_tokens: 0`` through the OpenAI handler over the 1P1D
+    pipeline (P computes the prompt's logprobs): transformers' log-softmax within 1e-4."""
+
+    async def live_roles() -> dict[str, int]:
+        return {"prefill": 1, "decode": 1}
+
+    limits = Limits(model_name=MODEL, max_model_len=1024, default_max_tokens=8)
+    server = OpenAIServer(pipe, limits, max_ongoing_requests=4, request_timeout_s=120, live_roles=live_roles)
+    ids = reference["prompts"][0]
+    body = {"prompt": ids, "echo": True, "logprobs": 5, "max_tokens": 0}
+    reply = asyncio.run(server.handle("POST", "/v1/completions", json.dumps(body).encode()))
+    assert isinstance(reply, JSONReply) and reply.status == 200, reply
+    choice = json.loads(reply.body)["choices"][0]
+    assert choice["text"] == pipe.tokenizer.decode(ids) and choice["finish_reason"] == "length"
+    lp = choice["logprobs"]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert len(lp["token_logprobs"]) == len(ids)
+    torch.testing.assert_close(lp["token_logprobs"][1:], reference["prompt_logprobs"], atol=1e-4, rtol=0)
+    for top, want in zip(lp["top_logprobs"][1:], reference["prompt_top"], strict=True):
+        texts = {pipe.tokenizer.decode([t]) for t in want}
+        assert texts <= set(top), (top, texts)  # the same five most likely tokens (beside the prompt's own)

@@ -65,6 +65,7 @@ class FakePipeline:
                     finished=last,
                     finish_reason="length" if last else None,
                     logprobs=[-0.5] if params.logprobs else None,
+                    top_logprobs=[_alternatives(token, params.top_logprobs)] if params.top_logprobs else None,
                     num_prompt_tokens=len(ids),
                     num_output_tokens=i + 1,
                     num_cached_tokens=len(ids) // 2,  # as if a prefix cache held half the prompt
@@ -76,7 +77,14 @@ class FakePipeline:
         return {"workers": {"p": {"num_free_blocks": 7}}}
 
 
-def _server(pipe: FakePipeline, *, limit: int = 8, roles: dict[str, int] | None = None) -> OpenAIServer:
+def _alternatives(token: int, count: int) -> list[tuple[int, float]]:
+    """The FAKE's alternatives: the token itself first, then the next ids, less and less likely."""
+    return [((token + k) % 256, -0.5 - k) for k in range(count)]
+
+
+def _server(
+    pipe: FakePipeline, *, limit: int = 8, roles: dict[str, int] | None = None, **options: Any
+) -> OpenAIServer:
     async def live_roles() -> dict[str, int]:
         if roles is None:
             raise ConnectionError("coordinator gone")
@@ -84,7 +92,7 @@ def _server(pipe: FakePipeline, *, limit: int = 8, roles: dict[str, int] | None 
 
     limits = Limits(model_name="tiny", max_model_len=64, default_max_tokens=16)
     return OpenAIServer(
-        pipe, limits, max_ongoing_requests=limit, request_timeout_s=10.0, live_roles=live_roles
+        pipe, limits, max_ongoing_requests=limit, request_timeout_s=10.0, live_roles=live_roles, **options
     )
 
 

@@ -22,6 +22,12 @@ TOK = ByteTokenizer()
 
 
 def _completion(**body: object) -> Prepared:
+    prompts = _completions(**body)
+    assert len(prompts) == 1
+    return prompts[0]
+
+
+def _completions(**body: object) -> list[Prepared]:
     req = parse_request(json.dumps({"prompt": "hello", **body}).encode(), CompletionRequest)
     return prepare_completion(req, TOK, LIMITS)
 
@@ -32,15 +38,20 @@ def _chat(**body: object) -> Prepared:
     return prepare_chat(req, TOK, LIMITS)
 
 
-def _ingress(fn: object, **body: object) -> Prepared:
-    prepared: Prepared = fn(**body)  # type: ignore[operator]
-    try:
-        check_request(
-            prepared.token_ids, prepared.params, vocab_size=TOK.vocab_size, max_model_len=LIMITS.max_model_len
-        )
-    except Exception as exc:
-        raise from_exception(exc, validating=True, fields=prepared.fields) from None
-    return prepared
+def _ingress(fn: object, **body: object) -> list[Prepared]:
+    got: Prepared | list[Prepared] = fn(**body)  # type: ignore[operator]
+    prompts = got if isinstance(got, list) else [got]
+    for prepared in prompts:
+        try:
+            check_request(
+                prepared.token_ids,
+                prepared.params,
+                vocab_size=TOK.vocab_size,
+                max_model_len=LIMITS.max_model_len,
+            )
+        except Exception as exc:
+            raise from_exception(exc, validating=True, fields=prepared.fields) from None
+    return prompts
 
 
 def _error(fn: object, **body: object) -> APIError:
@@ -121,14 +132,28 @@ def test_unknown_model_is_404() -> None:
 @pytest.mark.parametrize(
     ("fn", "body", "param"),
     [
-        (_completion, {"n": 2}, "n"),
-        (_completion, {"prompt": ["a", "b"]}, "prompt"),
-        (_completion, {"prompt": [[1], [2]]}, "prompt"),
+        (_completion, {"n": 0}, "n"),
+        (_completion, {"n": 17}, "n"),
+        (_completions, {"prompt": ["a", 3]}, "prompt"),
+        (_completions, {"prompt": [[1], []]}, "prompt"),
+        (_completions, {"prompt": ["a"] * 65}, "prompt"),
+        (_completions, {"prompt": ["a"] * 16, "n": 9}, "prompt"),
         (_completion, {"prompt": []}, "prompt"),
         (_completion, {"prompt": ""}, "prompt"),
         (_completion, {"prompt": [1, 999]}, "prompt"),
         (_completion, {"prompt": [1, "a"]}, "prompt"),
-        (_completion, {"logprobs": 2}, "logprobs"),
+        (_completion, {"logprobs": 21}, "logprobs"),
+        (_completion, {"logprobs": -1}, "logprobs"),
+        (_completion, {"echo": True, "max_tokens": 0, "min_tokens": 2, "logprobs": 1}, "min_tokens"),
+        (_completion, {"presence_penalty": 2.5}, "presence_penalty"),
+        (_completion, {"frequency_penalty": -2.5}, "frequency_penalty"),
+        (_completion, {"logit_bias": {"x": 1}}, "logit_bias"),
+        (_completion, {"logit_bias": {"5": 200}}, "logit_bias"),
+        (_completion, {"logit_bias": {"999": 1}}, "logit_bias"),
+        (_completion, {"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
+        (_completion, {"repetition_penalty": 0}, "repetition_penalty"),
+        (_chat, {"response_format": {"type": "xml"}}, "response_format.type"),
+        (_chat, {"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
         (_completion, {"temperature": -1}, "temperature"),
         (_completion, {"top_p": 0}, "top_p"),
         (_completion, {"top_k": -5}, "top_k"),
@@ -153,9 +178,9 @@ def test_bad_values_are_400_naming_the_field(fn: object, body: dict, param: str)
 def test_the_check_against_the_model_is_the_pipelines_alone() -> None:
     # prepare parses and tokenizes; the empty prompt, token ids and length rule are checked once,
     # in PDPipeline.make_request (runtime/validate.py), not here again
-    assert prepare_completion(
-        parse_request(b'{"prompt": [1, 999]}', CompletionRequest), TOK, LIMITS
-    ).token_ids == [
+    assert prepare_completion(parse_request(b'{"prompt": [1, 999]}', CompletionRequest), TOK, LIMITS)[
+        0
+    ].token_ids == [
         1,
         999,
     ]
