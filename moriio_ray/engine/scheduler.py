@@ -105,8 +105,10 @@ class Scheduler:
 
     def _admission(self, seq: Sequence) -> list[int] | None:
         """The cached blocks a waiting sequence would start from, if the free blocks let it in now;
-        None if they do not. A sequence holding blocks already (a reserved recompute) finds none."""
-        hits = self.cached_prefix(seq, seq.num_ahead - 1) if not seq.block_table else []
+        None if they do not. A sequence holding blocks already (a reserved recompute) finds none, and
+        so does one that asked for prompt logprobs: they come from the logits of every prompt token."""
+        fresh = not seq.block_table and seq.params.prompt_logprobs is None
+        hits = self.cached_prefix(seq, seq.num_ahead - 1) if fresh else []
         return hits if self.fits(seq, hits, blocks_for(seq.num_ahead, self.block_size)) else None
 
     def fits(self, seq: Sequence, hits: list[int], num_blocks: int) -> bool:

@@ -207,6 +207,24 @@ def test_prompt_logprobs_chunked_colocated_and_prefill_alike() -> None:
         assert [[t for t, _ in top] for top in got_top] == [[t for t, _ in top] for top in whole_top]
 
 
+
+@pytest.mark.timeout(60)
+def test_prompt_logprobs_are_computed_for_a_prompt_the_prefix_cache_holds() -> None:
+    # a prompt logprob is read off the prefill's logits: a cached block would leave its tokens out
+    prompt = prompts_for_block_size(4, count=6)[5] * 3
+    whole, whole_top = _prompt_logprobs(tiny_engine(), prompt, 3)
+    for engine in (tiny_engine(), tiny_engine("prefill")):
+        engine.add_request("warm", prompt, SamplingParams(max_tokens=2, ignore_eos=True))
+        run_to_end(engine)
+        if engine.role == "prefill":
+            engine.release("warm")
+        assert engine.prefix_cache_stats()["num_cached_blocks"] > 0
+        hits_before = engine.prefix_cache_stats()["num_hit_tokens"]
+        got, got_top = _prompt_logprobs(engine, prompt, 3)
+        assert len(got) == len(prompt) and got[0] is None
+        torch.testing.assert_close(got[1:], whole[1:], atol=1e-5, rtol=1e-5)
+        assert [[t for t, _ in top] for top in got_top] == [[t for t, _ in top] for top in whole_top]
+
 SCHEMA = {
     "type": "object",
     "properties": {
