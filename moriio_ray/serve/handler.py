@@ -110,6 +110,9 @@ class OpenAIServer:
         unknown_fields: str = "ignore",
     ) -> None:
         self.pipe = pipe
+        # n > 1 shares the prompt's prefill through the engines' prefix cache, when they have one
+        engine = getattr(getattr(pipe, "config", None), "engine", None)
+        self._shares_prefill = bool(getattr(engine, "enable_prefix_caching", False))
         self.limits = limits
         self.admission = Admission(max_ongoing_requests)
         self.request_timeout_s = request_timeout_s
@@ -217,14 +220,21 @@ class OpenAIServer:
             )
         slot = self.admission.acquire(max(1, len(live)))
         deadline = Deadline(self.request_timeout_s)
-        streams = [self.pipe.stream_request(req) for req in live]
+        opened: list[AsyncIterator[Any] | None] = [None] * len(live)
+        firsts: list[Any] = [None] * len(live)
         try:
-            firsts = await gather_all([deadline.next(events) for events in streams])
+            for phase in _phases(choices, self._shares_prefill):
+                for i in phase:
+                    opened[i] = self.pipe.stream_request(live[i])
+                got = await gather_all([deadline.next(opened[i]) for i in phase])  # type: ignore[arg-type]
+                for i, first in zip(phase, got, strict=True):
+                    firsts[i] = first
         except BaseException as exc:
-            await _close(streams, slot)
+            await _close([s for s in opened if s is not None], slot)
             if isinstance(exc, Exception):
                 raise from_exception(exc, validating=False, request_id=fmt.id) from None
             raise
+        streams = [s for s in opened if s is not None]
         sources = _sources(choices, firsts, streams)
         if stream:
             return self._stream_reply(fmt, sources, streams, deadline, include_usage, slot)
@@ -341,6 +351,22 @@ async def _close(
         slot.release()
 
 
+def _phases(choices: list[tuple[Prepared, Any]], shares_prefill: bool) -> list[list[int]]:
+    """The order in which the live choices (indices among them) start. With a prefix cache, a
+    prompt's first choice goes alone first: once its first token is out, the prompt's blocks are
+    cached and its other choices find them there, so ``n`` samples cost one prefill (and a
+    partial last block each). Without one, every choice starts at once."""
+    groups: dict[int, list[int]] = {}  # prompt -> its live choices
+    live = [prepared for prepared, req in choices if req is not None]
+    for i, prepared in enumerate(live):
+        groups.setdefault(id(prepared), []).append(i)
+    everyone = list(range(len(live)))
+    rest = [i for g in groups.values() for i in g[1:]]
+    if not shares_prefill or not rest:
+        return [everyone]
+    return [[g[0] for g in groups.values()], rest]
+
+
 def _sources(
     choices: list[tuple[Prepared, Any]], firsts: list[Any], streams: list[AsyncIterator[Any]]
 ) -> list[Source]:
@@ -375,6 +401,7 @@ def _echo(prepared: Prepared, first: Any) -> Merged:
         finish_reason=None,
         num_prompt_tokens=len(prepared.token_ids),
         num_output_tokens=0,
+        num_cached_tokens=getattr(first, "num_cached_tokens", 0),
         top_logprobs=prompt_logprobs.top if prompt_logprobs is not None else None,
     )
 

@@ -89,6 +89,25 @@ def test_logit_bias_and_min_tokens(client: openai.OpenAI, http: httpx.Client) ->
     assert out.usage is not None and out.usage.completion_tokens >= 6  # the stop id may come 6th
 
 
+def _hits(http: httpx.Client, role: str) -> int:
+    workers = http.get("/stats").json()["workers"].values()
+    return sum(w["prefix_cache"]["num_hit_tokens"] for w in workers if w["role"] == role)
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+def test_n_choices_share_one_prefill(client: openai.OpenAI, http: httpx.Client) -> None:
+    # a prompt no other test sends: 3 full blocks of 16 and 5 tokens; its first choice prefills it,
+    # the other 3 find its full blocks in P's prefix cache (and D's, which reads only the tail)
+    prompt = [200 + (7 * i) % 50 for i in range(53)]
+    before = _hits(http, "prefill"), _hits(http, "decode")
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=1.0, n=4, seed=3)
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    assert out.usage is not None and out.usage.prompt_tokens == 53
+    after = _hits(http, "prefill"), _hits(http, "decode")
+    assert after[0] - before[0] >= 3 * 48, (before, after)  # each later choice: 3 blocks found on P
+    assert after[1] - before[1] >= 3 * 48, (before, after)  # and on D
+
+
 @pytest.mark.timeout(TIMEOUT_S)
 def test_n_samples_differ_in_one_reply(client: openai.OpenAI) -> None:
     out = client.completions.create(model=MODEL, prompt="Hello", max_tokens=12, temperature=1.0, n=4, seed=7)

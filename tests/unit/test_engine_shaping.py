@@ -207,7 +207,6 @@ def test_prompt_logprobs_chunked_colocated_and_prefill_alike() -> None:
         assert [[t for t, _ in top] for top in got_top] == [[t for t, _ in top] for top in whole_top]
 
 
-
 @pytest.mark.timeout(60)
 def test_prompt_logprobs_are_computed_for_a_prompt_the_prefix_cache_holds() -> None:
     # a prompt logprob is read off the prefill's logits: a cached block would leave its tokens out
@@ -224,6 +223,8 @@ def test_prompt_logprobs_are_computed_for_a_prompt_the_prefix_cache_holds() -> N
         assert len(got) == len(prompt) and got[0] is None
         torch.testing.assert_close(got[1:], whole[1:], atol=1e-5, rtol=1e-5)
         assert [[t for t, _ in top] for top in got_top] == [[t for t, _ in top] for top in whole_top]
+        assert engine.prefix_cache_stats()["num_hit_tokens"] == hits_before  # every token computed
+
 
 SCHEMA = {
     "type": "object",

@@ -6,6 +6,7 @@ import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -312,3 +313,43 @@ def test_models_health_stats() -> None:
     status, body = _json(_run(lambda: _server(pipe).handle("GET", "/stats/", b"")))
     assert status == 200 and body["workers"]["p"]["num_free_blocks"] == 7
     assert body["ingress"] == {"limit": 8, "in_flight": 0, "admitted": 0, "rejected": 0}
+
+
+@dataclass
+class CachingPipeline(FakePipeline):
+    """The FAKE with a prefix cache in its config; ``log`` records when each request starts and
+    when its first event comes out."""
+
+    log: list[tuple[str, str]] = field(default_factory=list)
+    config: Any = field(
+        default_factory=lambda: SimpleNamespace(engine=SimpleNamespace(enable_prefix_caching=True))
+    )
+
+    async def stream_request(self, req: Any) -> AsyncIterator[StreamEvent]:
+        self.log.append(("start", req[0]))
+        await asyncio.sleep(0.01)  # a prefill takes a while: requests started together overlap
+        first = True
+        async for event in super().stream_request(req):
+            if first:
+                self.log.append(("first", req[0]))
+                first = False
+            yield event
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("caching", [True, False])
+def test_n_choices_start_after_the_first_ones_prefill_with_a_prefix_cache(caching: bool) -> None:
+    pipe = CachingPipeline()
+    pipe.config.engine.enable_prefix_caching = caching
+    body = {"prompt": ["ab", "cd"], "n": 3, "max_tokens": 2, "temperature": 1.0}
+    status, out = _json(_run(lambda: _post(_server(pipe), "/v1/completions", body)))
+    assert status == 200 and [c["index"] for c in out["choices"]] == list(range(6))
+    starts = [rid for kind, rid in pipe.log if kind == "start"]
+    firsts = [rid for kind, rid in pipe.log if kind == "first"]
+    leaders = {starts[0], starts[1]}  # one choice per prompt
+    if caching:  # the others start only once both leaders' first tokens (their prefills) are out
+        later = pipe.log.index(("start", starts[2]))
+        assert {rid for kind, rid in pipe.log[:later] if kind == "first"} == leaders
+    else:  # every choice at once
+        assert pipe.log.index(("first", firsts[0])) == len(starts)
+    assert len(starts) == 6 and len(set(starts)) == 6
