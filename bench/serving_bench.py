@@ -23,6 +23,7 @@ spent (the requests in flight finish), so a slow system yields fewer requests, n
     python bench/serving_bench.py                 # GPU (llama-1b): the full grid within --budget-s
     python bench/serving_bench.py                 # CPU (tiny): engine, colocated, pd-read; c=1,32
     python bench/serving_bench.py --workload shared-prefix   # prefix cache on vs off (bench/prefix_bench.py)
+    python bench/serving_bench.py --workload n-choices       # n choices vs n requests (n_choices_bench.py)
 
 Writes bench/results/serving_<tag>.json (every request's numbers), .png and .md (the tables).
 """
@@ -106,10 +107,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--workload",
         default="grid",
-        choices=["grid", "shared-prefix"],
+        choices=["grid", "shared-prefix", "n-choices"],
         help="grid: the systems above; shared-prefix: PD with the prefix cache on vs off "
-        "(--prompt-lens and --concurrency: their first value; CPU defaults 1024 and 4)",
+        "(--prompt-lens and --concurrency: their first value; CPU defaults 1024 and 4); "
+        "n-choices: one request of --n choices against --n separate ones, through HTTP",
     )
+    p.add_argument("--n", type=int, default=4, help="n-choices: choices per request")
+    p.add_argument("--rounds", type=int, default=5, help="n-choices: rounds of the three cells")
     p.add_argument("--reuse", type=csv(float), default=[0.9, 0.0], help="shared-prefix: shared fraction")
     p.add_argument("--groups", type=int, default=4, help="shared-prefix: groups of requests sharing a prefix")
     p.add_argument("--group-size", type=int, default=6, help="shared-prefix: requests per group")
@@ -186,6 +190,9 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a kill still runs the clean-up below
     if a.workload == "shared-prefix":
         shared_prefix(a)
+        return
+    if a.workload == "n-choices":
+        n_choices(a)
         return
     import torch
     import yaml
@@ -274,6 +281,17 @@ def shared_prefix(a: argparse.Namespace) -> None:
     report = prefix_bench.run(a, a.tag or "cpu", a.commit or git_commit())
     report["environment"] = environment("cpu")
     prefix_bench.write(report, a.out)
+
+
+def n_choices(a: argparse.Namespace) -> None:
+    """n choices against n separate requests through `serve run` on the CPU: bench/n_choices_bench.py."""
+    from bench import n_choices_bench
+
+    a.prompt_len = (a.prompt_lens or [1024])[0]
+    a.out.mkdir(parents=True, exist_ok=True)
+    report = n_choices_bench.run(a, a.tag or "cpu", a.commit or git_commit())
+    report["environment"] = environment("cpu")
+    n_choices_bench.write(report, str(a.out))
 
 
 def write(report: dict[str, Any], out: Path, tag: str) -> None:
