@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from moriio_ray.engine.outputs import PromptLogprobs
 from moriio_ray.engine.tokenizer import ByteTokenizer
 from moriio_ray.errors import CapacityError, PeerLost
 from moriio_ray.runtime.pipeline import StreamEvent
@@ -67,6 +68,7 @@ class FakePipeline:
                     finish_reason="length" if last else None,
                     logprobs=[-0.5] if params.logprobs else None,
                     top_logprobs=[_alternatives(token, params.top_logprobs)] if params.top_logprobs else None,
+                    prompt_logprobs=_prompt_logprobs(ids, params.prompt_logprobs) if i == 0 else None,
                     num_prompt_tokens=len(ids),
                     num_output_tokens=i + 1,
                     num_cached_tokens=len(ids) // 2,  # as if a prefix cache held half the prompt
@@ -81,6 +83,13 @@ class FakePipeline:
 def _alternatives(token: int, count: int) -> list[tuple[int, float]]:
     """The FAKE's alternatives: the token itself first, then the next ids, less and less likely."""
     return [((token + k) % 256, -0.5 - k) for k in range(count)]
+
+
+def _prompt_logprobs(ids: list[int], count: int | None) -> PromptLogprobs | None:
+    """The FAKE's prompt logprobs: null for the first token, -0.5 for the others."""
+    if count is None:
+        return None
+    return PromptLogprobs([None] + [-0.5] * (len(ids) - 1), [[]] + [_alternatives(t, count) for t in ids[1:]])
 
 
 def _server(
