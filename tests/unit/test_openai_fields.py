@@ -151,8 +151,13 @@ def test_n_and_prompt_lists_fan_out_into_indexed_choices() -> None:
     choices = reply["choices"]
     assert [c["index"] for c in choices] == list(range(6))
     assert [c["text"] for c in choices] == ["ab"] * 3 + ["cde"] * 3
-    # prompt tokens once per prompt, completion tokens per choice
-    assert reply["usage"] == {"prompt_tokens": 5, "completion_tokens": 2 * 3 + 3 * 3, "total_tokens": 20}
+    # prompt tokens (and the FAKE's cached half of each prompt) once per prompt, completion tokens per choice
+    assert reply["usage"] == {
+        "prompt_tokens": 5,
+        "completion_tokens": 2 * 3 + 3 * 3,
+        "total_tokens": 20,
+        "prompt_tokens_details": {"cached_tokens": 1 + 1},
+    }
     assert len(pipe.finished) == 6 and len(set(pipe.finished)) == 6 and not pipe.closed
     status, events, _ = _ask(COMPLETIONS, {**body, "stream": True, "stream_options": {"include_usage": True}})
     texts: dict[int, str] = {}
@@ -190,7 +195,12 @@ def test_echo_and_max_tokens_zero() -> None:
     status, reply, _ = _ask(COMPLETIONS, {**PROMPT, "echo": True, "max_tokens": 0, "n": 2})
     assert [c["text"] for c in reply["choices"]] == ["hey", "hey"]
     assert reply["choices"][0]["finish_reason"] == "length"
-    assert reply["usage"] == {"prompt_tokens": 3, "completion_tokens": 0, "total_tokens": 3}
+    assert reply["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 0,
+        "total_tokens": 3,
+        "prompt_tokens_details": {"cached_tokens": 0},  # nothing was looked up
+    }
     status, events, _ = _ask(COMPLETIONS, {**PROMPT, "echo": True, "max_tokens": 2, "stream": True})
     assert "".join(e["choices"][0]["text"] for e in events) == "heyhe"
     status, reply, _ = _ask(COMPLETIONS, {**PROMPT, "max_tokens": 0})
