@@ -278,8 +278,9 @@ def shared_prefix(a: argparse.Namespace) -> None:
 
     a.prompt_lens = a.prompt_lens or [1024]
     a.concurrency = a.concurrency or [4]
+    env = environment("cpu")  # the load average before the run
     report = prefix_bench.run(a, a.tag or "cpu", a.commit or git_commit())
-    report["environment"] = environment("cpu")
+    report["environment"] = env | {"load_avg_1m_after": os.getloadavg()[0]}
     prefix_bench.write(report, a.out)
 
 
