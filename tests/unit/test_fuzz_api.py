@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 
 from moriio_ray.config import parse_pipeline_config
-from moriio_ray.engine.engine import Engine
+from moriio_ray.engine.engine import Engine, StepOutput
 from moriio_ray.runtime.messages import GenRequest, error_from
 from moriio_ray.runtime.pipeline import PDPipeline
 from moriio_ray.runtime.results import StreamEvent
@@ -50,25 +50,33 @@ class EnginePipeline:
         self.pipe.vocab_size = self.engine.args.vocab_size
         self.tokenizer = self.pipe.tokenizer
         self.num_served = 0
+        self.pending: dict[str, list[StepOutput]] = {}  # request id -> its outputs not yet streamed
 
     def make_request(self, prompt: Any = None, **kw: Any) -> GenRequest:
         return self.pipe.make_request(prompt, **kw)
 
     async def stream_request(self, req: GenRequest) -> AsyncIterator[StreamEvent]:
-        self.engine.add_request(req.request_id, req.prompt_token_ids, req.params)
+        # several streams share the engine (n > 1): whichever steps it hands each output to its
+        # request's queue, so that no stream loses another one's tokens
+        rid = req.request_id
+        self.engine.add_request(rid, req.prompt_token_ids, req.params)
+        self.pending[rid] = []
         n = 0
         try:
             for step in range(MAX_STEPS):
-                for out in self.engine.step():
-                    if out.request_id != req.request_id:
-                        continue
+                if not self.pending[rid]:
+                    for out in self.engine.step():
+                        if out.request_id in self.pending:
+                            self.pending[out.request_id].append(out)
+                outs, self.pending[rid] = self.pending[rid], []
+                for out in outs:
                     if out.error is not None:
                         raise error_from(*out.error)
                     n += len(out.new_token_ids)
                     last = out.finished or step == MAX_STEPS - 1
                     self.num_served += last
                     yield StreamEvent(
-                        request_id=req.request_id,
+                        request_id=rid,
                         token_ids=out.new_token_ids,
                         text=self.tokenizer.decode(out.new_token_ids),
                         finished=last,
@@ -79,8 +87,10 @@ class EnginePipeline:
                     )
                     if last:
                         return
+                await asyncio.sleep(0)  # let the other streams of the request run
         finally:
-            self.engine.abort(req.request_id)
+            self.pending.pop(rid, None)
+            self.engine.abort(rid)
 
     async def stats_async(self) -> dict[str, Any]:
         return {"workers": {"colocated-0": self.engine.stats()}}
@@ -134,6 +144,7 @@ def test_fuzz_completions(api: tuple[OpenAIServer, EnginePipeline]) -> None:
     @example(b'{"prompt": "a", "top_k": 18446744073709551616, "stream": true}')
     @example(b'{"prompt": "a", "top_k": 1000000000000000000000000000000, "temperature": 1}')
     @example(b'{"prompt": "a", "stop": ' + b"[" * 1000 + b"]" * 1000 + b"}")  # RecursionError
+    @example(b'{"prompt": "0", "echo": false, "n": 2, "max_tokens": 2}')  # choices sharing the engine
     def one(body: bytes) -> None:
         check_error_body(*_answer(server, "/v1/completions", body))
 
@@ -151,6 +162,7 @@ def test_fuzz_chat_completions(api: tuple[OpenAIServer, EnginePipeline]) -> None
     @given(encoded(chat_bodies))
     @example(b'{"messages": [{"role": "user", "content": "a"}], "top_k": 9223372036854775808}')
     @example(b'{"messages": ' + b"[" * 1000 + b"]" * 1000 + b"}")
+    @example(b'{"messages": [{"role": "system"}, {"role": "user"}], "n": 3}')
     def one(body: bytes) -> None:
         check_error_body(*_answer(server, "/v1/chat/completions", body))
 
