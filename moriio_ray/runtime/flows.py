@@ -1,13 +1,13 @@
 """The request flows, driven from the caller's side (a driver or the Serve ingress).
 
-Disaggregated (READ and WRITE, one function with numbered steps; ``Mode`` holds the differences):
-  1. pick D (READ: P first, then a D that can reach it);
-  2. WRITE: D reserves the blocks P will push into;
-  3. subscribe to D's output stream and start ``D.decode``, which waits for P's hand-over;
-  4. P prefills and hands its result straight to D (one Ray call, P -> D), retried once on
-     another P if P dies;
-  5. the first token, sampled on P, goes to the caller from P's result (D never sends it again);
-  6. once D has the KV and decodes, its tokens come on the stream.
+Each flow makes one Ray call per request; each worker forwards to the next.
+Disaggregated (READ and WRITE, one function with numbered steps):
+  1. pick D (READ: P first, then a D that can reach it) and subscribe to D's output stream;
+  2. call P, naming D: P prefills (WRITE: after reserving D's blocks itself, pushing each layer)
+     and hands its result to D in a call of its own; retried once on another P if P dies;
+  3. the first token, sampled on P, comes back in P's reply (D never sends it again);
+  4. D brings the KV in and decodes; its tokens come on the stream, the first of them with D's
+     hand-over timings.
   If the caller stops early, D and P are told to abort: their blocks and P's lease are freed at once.
 Colocated: ``C.generate`` prefills and answers with the first token; the later ones come on the stream.
 
@@ -33,14 +33,12 @@ from moriio_ray.errors import PeerLost
 from moriio_ray.runtime.deadline import deadline
 from moriio_ray.runtime.detached import send
 from moriio_ray.runtime.messages import (
-    DecodeStart,
     GenRequest,
     Handoff,
     Member,
     PeerRef,
     PushResult,
     RequestOutput,
-    Reservation,
     Timings,
 )
 from moriio_ray.runtime.router import Router
@@ -71,27 +69,10 @@ class FlowState:
     emitted: list[int] = field(default_factory=list)
     timings: Timings = field(default_factory=Timings)
     prefill_key: str | None = None
+    prefill_done_unix: float | None = None  # P's first token (the hand-over's timings start there)
     decode_key: str | None = None
     retries: int = 0
     dead: set[str] = field(default_factory=set)  # workers seen dead: no retry goes to them
-
-
-@dataclass(frozen=True)
-class Mode:
-    """What tells READ from WRITE."""
-
-    name: str
-    reserve_first: bool  # WRITE: D reserves blocks before P runs
-    p_first: bool  # READ: pick P, then a D that can reach it
-    call: Callable[[Member, GenRequest, Reservation | None, Member], Any]  # P's Ray call
-
-
-MODES = {
-    "read": Mode("read", False, True, lambda p, req, _res, d: p.actor.prefill.remote(req, _ref(d))),
-    "write": Mode(
-        "write", True, False, lambda p, req, res, d: p.actor.prefill_push.remote(req, res, _ref(d))
-    ),
-}
 
 
 class Flows:
@@ -115,7 +96,7 @@ class Flows:
                 if self.config.mode == "colocated":
                     gen = self._colocated(attempt, state, streams)
                 else:
-                    gen = self._disaggregated(attempt, state, streams, MODES[self.config.mode])
+                    gen = self._disaggregated(attempt, state, streams)
                 async with contextlib.aclosing(gen) as chunks:
                     async for chunk in chunks:
                         state.emitted.extend(chunk.token_ids)
@@ -175,46 +156,46 @@ class Flows:
     # -- disaggregated --------------------------------------------------------------------------
 
     async def _disaggregated(
-        self, req: GenRequest, state: FlowState, streams: OutputStreams, mode: Mode
+        self, req: GenRequest, state: FlowState, streams: OutputStreams
     ) -> AsyncGenerator[TokenChunk, None]:
         rid = req.request_id
-        # 1. Pick D (READ: P first, then a D that can reach it).
-        p0 = self.router.pick("prefill", exclude=state.dead) if mode.p_first else None
+        read = self.config.mode == "read"
+        # 1. Pick D (READ: P first, then a D that can reach it) and subscribe to its stream.
+        p0 = self.router.pick("prefill", exclude=state.dead) if read else None
         d = (
             self.router.pick_decode_for(p0, exclude=state.dead)
             if p0 is not None
             else self.router.pick("decode", exclude=state.dead)
         )
         state.decode_key = d.key
-        cost = req.params.max_tokens + (0 if mode.p_first else len(req.prompt_token_ids))
+        cost = req.params.max_tokens + (0 if read else len(req.prompt_token_ids))
         self.router.acquire(d, cost)
         sub = streams.open(d, rid)
         asked: list[Member] = []  # every P asked to prefill it (WRITE: to push into D's blocks)
-        decode_ref: Any = None
         done = False
         try:
-            # 2. WRITE: D reserves the blocks P will push into.
-            reservation = None
-            if mode.reserve_first:
-                reservation = await self._call(d, d.actor.reserve.remote(req), "reserve", state)
-            # 3. D starts waiting for P's hand-over.
-            decode_ref = d.actor.decode.remote(req, streams.caller_id)
-
-            # 4. P prefills and hands its result straight to D (once more on another P if P dies).
+            # 2. P prefills and hands its result to D (once more on another P if P dies).
             def pick(attempt: int) -> Member:
                 if attempt == 0 and p0 is not None:
                     return p0
                 return self.router.pick_prefill_for(d, exclude=state.dead)
 
-            result, _p = await self._prefill(
-                req, state, pick, lambda p: mode.call(p, req, reservation, d), asked
-            )
+            to, caller = _ref(d), streams.caller_id
+            if read:
+                result, _p = await self._prefill(
+                    req, state, pick, lambda p: p.actor.prefill.remote(req, to, caller), asked
+                )
+            else:
+                result, _p = await self._prefill(
+                    req, state, pick, lambda p: p.actor.prefill_push.remote(req, to, caller), asked
+                )
             state.timings.prefill_s = result.prefill_s
             state.timings.cached_tokens = result.num_cached_tokens
+            state.prefill_done_unix = result.prefill_done_unix
             if isinstance(result, PushResult):  # WRITE: what P pushed (D's cached blocks excepted)
                 state.timings.push_wait_s = result.push_wait_s
                 state.timings.transfer_bytes = result.num_bytes
-            # 5. The first token, from P's result.
+            # 3. The first token, from P's result.
             done = result.finish_reason is not None
             first_top = [result.first_top_logprobs] if result.first_top_logprobs is not None else None
             yield TokenChunk(
@@ -226,28 +207,22 @@ class Flows:
             )
             if done:
                 return
-            # 6. D has the KV and decodes; its tokens follow on the stream.
-            start: DecodeStart = await self._call(d, decode_ref, "decode", state)
-            decode_ref = None
-            state.timings.add_handoff(result.prefill_done_unix, start)
+            # 4. D has the KV and decodes; its tokens follow on the stream.
             async for chunk in self._stream(d, sub, state):
                 done = chunk.finished
                 yield chunk
         finally:
             sub.close()
             self.router.release(d, cost)
-            if decode_ref is not None:
-                _forget(decode_ref)
             if not done:
-                # D frees its blocks (and releases P's lease if the handle reached it, once its read
-                # has ended); P stops a prefill still running. WRITE: D keeps blocks that a push
-                # may still land in until P says its pushes have ended (``pushing``: a P was asked).
+                # D frees its blocks (a read still in flight keeps them, and P's lease, until it
+                # ends); P stops a prefill still running. WRITE: D keeps blocks that a push may
+                # still land in until P says its pushes have ended.
                 # (sent outside this task's lineage: Serve cancels it, and Ray its calls, at a disconnect)
-                push_to = _ref(d) if mode.reserve_first else None
-                send(d.actor.abort, rid, None, bool(asked) or not mode.reserve_first)
+                send(d.actor.abort, rid)
                 for p in asked:
                     if p.key not in state.dead:
-                        send(p.actor.abort, rid, push_to)
+                        send(p.actor.abort, rid, None if read else to)
 
     async def _prefill(
         self,
@@ -300,6 +275,8 @@ class Flows:
         try:
             while True:
                 items = await sub.next(self.timeout_s)
+                if items[0].start is not None and state.prefill_done_unix is not None:
+                    state.timings.add_handoff(state.prefill_done_unix, items[0].start)
                 chunk = _merge(items)
                 if chunk.token_ids or chunk.finished:
                     yield chunk

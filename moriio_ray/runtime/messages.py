@@ -136,11 +136,11 @@ class PeerRef(msgspec.Struct, frozen=True, array_like=True):
     epoch: int
 
 
-class DecodeStart(msgspec.Struct, frozen=True, kw_only=True):
-    """What ``decode`` returns once the request decodes on D (its tokens follow on the stream)."""
+class DecodeStart(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
+    """D's hand-over timings of a request, sent with its first output on D's stream."""
 
     handoff_unix: float  # P's result reached D
-    decode_start_unix: float  # the request joined D's batch
+    decode_start_unix: float = 0.0  # the request joined D's batch
     transfer_s: float = 0.0  # READ: D's KV read
     transfer_bytes: int = 0
     transfer_segments: int = 0
@@ -159,6 +159,7 @@ class RequestOutput(msgspec.Struct, array_like=True):
     # per token, its alternatives (token id, raw log probability), most likely first
     top_logprobs: list[list[tuple[int, float]]] | None = None
     prompt_logprobs: PromptLogprobs | None = None  # with the first token, when the request asked
+    start: DecodeStart | None = None  # D, on a request's first output: its hand-over timings
 
     @classmethod
     def of_step(cls, request_id: str, out: StepOutput) -> RequestOutput:

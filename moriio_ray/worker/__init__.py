@@ -4,7 +4,7 @@
 - ``core``: engine, agent, engine loop, peers, request table, output streams; aborts
 - ``prefill``, ``decode``: P's and D's parts (READ and WRITE)
 - ``engine_loop``: the engine thread; ``outputs``: per-caller output streams
-- ``requests``: one record per request; ``mailbox``: P's hand-over to D; ``push``: WRITE's layer
+- ``requests``: one record per request; ``push``: WRITE's layer
   pushes; ``peers``: descriptors by key and epoch, connected once per pair
 - ``quarantine``: D's blocks that a late read or push may still write, held until it has ended
 - ``ranks``: rank 0's driver of a tensor-parallel engine's other ranks; ``rank_actor``: those

@@ -18,7 +18,6 @@ from moriio_ray.config import PipelineConfig
 from moriio_ray.errors import InvalidRequest
 from moriio_ray.runtime.deadline import deadline
 from moriio_ray.runtime.messages import (
-    DecodeStart,
     GenRequest,
     Handoff,
     KVHandle,
@@ -66,11 +65,7 @@ class EngineWorker:
         await c.loop.call(c.engine.capture_graphs)
         ranks: list[RankDesc] = []
         if c.group is not None:  # every rank's descriptors and KV-head range, rank 0 first
-            assert c.engine.kv_mem is not None
-            own = RankDesc(
-                rank=0, engine_desc=c.agent.engine_desc(), kv_mem=c.engine.kv_mem, layout=c.engine.layout
-            )
-            ranks = [own, *(await c.group.descs())]
+            ranks = [c.rank0(), *(await c.group.descs())]
         return WorkerInfo(
             key=c.key,
             role=self.role,
@@ -106,11 +101,9 @@ class EngineWorker:
         await self.core.peers.add_members(members, roles=other.get(self.role, set()))
 
     async def peer_lost(self, key: str, epoch: int) -> None:
-        """A peer died: drop it and fail its in-flight transfers with PeerLost (P: and free the
-        leases it had been handed)."""
+        """A peer died: drop it and fail its in-flight transfers with PeerLost (P: a lease handed
+        to it is freed as its ``deliver`` call fails)."""
         self.core.peers.lost(key, epoch)
-        if self._prefill is not None:
-            self._prefill.peer_lost(key, epoch)
 
     async def stats(self) -> dict[str, Any]:
         c = self.core
@@ -164,15 +157,14 @@ class EngineWorker:
         async for item in self.core.outputs(caller):
             yield item
 
-    async def abort(self, request_id: str, push_to: PeerRef | None = None, pushing: bool = True) -> None:
+    async def abort(self, request_id: str, push_to: PeerRef | None = None) -> None:
         """Cancel a request: free its blocks, lease and reservation at once, wherever it is, except
         what a transfer may still use (a lease D is reading, blocks a late transfer may write: freed
-        once it has ended). P in WRITE: ``push_to`` is the D it pushes to. D in WRITE:
-        ``pushing=False`` says that no P was asked to push into its reservation."""
+        once it has ended). P in WRITE: ``push_to`` is the D it pushes to."""
         if self._prefill is not None:
             await self._prefill.abort(request_id, push_to)
         else:
-            await self.core.abort(request_id, pushing=pushing)
+            await self.core.abort(request_id)
 
     # -- colocated ------------------------------------------------------------------------------
 
@@ -200,33 +192,26 @@ class EngineWorker:
 
     # -- prefill --------------------------------------------------------------------------------
 
-    async def prefill(self, req: GenRequest, deliver_to: PeerRef | None = None) -> KVHandle:
-        """READ: prefill, lease the prompt's blocks, hand the handle to ``deliver_to`` (D) and return it."""
-        return await self._side_p().prefill(req, deliver_to)
+    async def prefill(self, req: GenRequest, to: PeerRef | None = None, caller: str = "") -> KVHandle:
+        """READ: prefill, lease the prompt's blocks, hand them to ``to`` (D, which streams the later
+        tokens to ``caller``) and return the handle: the first token."""
+        return await self._side_p().prefill(req, to, caller)
 
-    async def prefill_push(
-        self, req: GenRequest, reservation: Reservation, deliver_to: PeerRef | None = None
-    ) -> PushResult:
-        """WRITE: prefill while pushing each layer into D's reservation; hand the result to D."""
-        return await self._side_p().prefill_push(req, reservation, deliver_to)
-
-    async def release(self, transfer_id: str) -> bool:
-        """D has read a lease (or given up on it): free P's blocks now."""
-        return await self._side_p().release(transfer_id)
+    async def prefill_push(self, req: GenRequest, to: PeerRef, caller: str = "") -> PushResult:
+        """WRITE: reserve blocks on ``to`` (D), prefill while pushing each layer into them, and hand
+        the result to D, which streams the later tokens to ``caller``."""
+        return await self._side_p().prefill_push(req, to, caller)
 
     # -- decode ---------------------------------------------------------------------------------
 
-    async def reserve(self, req: GenRequest) -> Reservation:
-        """WRITE: reserve blocks for P to push the prompt's KV into."""
-        return await self._side_d().reserve(req)
+    async def reserve(self, req: GenRequest, caller: str | None = None) -> Reservation:
+        """WRITE (from P): reserve blocks for P to push the prompt's KV into."""
+        return await self._side_d().reserve(req, caller)
 
-    async def decode(self, req: GenRequest, caller: str) -> DecodeStart:
-        """Wait for P's hand-over, bring the KV in, join the batch; tokens go to ``caller``'s stream."""
-        return await self._side_d().decode(req, caller)
-
-    async def deliver(self, request_id: str, source: Handoff) -> None:
-        """P hands over its prefill result for a decode that waits here (or will)."""
-        await self._side_d().deliver(request_id, source)
+    async def deliver(self, req: GenRequest, source: Handoff, caller: str) -> None:
+        """P's hand-over: bring the KV in and decode, tokens to ``caller``'s stream; returns once P's
+        blocks are no longer needed (P frees its lease then)."""
+        await self._side_d().deliver(req, source, caller)
 
     async def pushes_ended(self, request_id: str) -> None:
         """WRITE: P's pushes of a request that ended early have ended: nothing more lands in its

@@ -20,17 +20,9 @@ from moriio_ray.engine.engine import Engine
 from moriio_ray.engine.outputs import StepOutput
 from moriio_ray.errors import ConfigError, DeadlineExceeded, EngineFailed, MoriioRayError, RequestCancelled
 from moriio_ray.runtime import detached
-from moriio_ray.runtime.messages import (
-    GenRequest,
-    Handoff,
-    KVHandle,
-    RequestOutput,
-    Role,
-    error_from,
-)
+from moriio_ray.runtime.messages import GenRequest, RankDesc, RequestOutput, Role, error_from
 from moriio_ray.transfer import create_agent
 from moriio_ray.worker.engine_loop import EngineLoop
-from moriio_ray.worker.mailbox import Mailbox
 from moriio_ray.worker.outputs import STREAM_PERIOD_S, OutputHub
 from moriio_ray.worker.peers import PeerDirectory
 from moriio_ray.worker.quarantine import Quarantine
@@ -92,7 +84,6 @@ class WorkerCore:
         )
         self.table = RequestTable(mark_ttl_s=config.runtime.remote_timeout_s)
         self.hub = OutputHub()
-        self.mailbox: Mailbox[Handoff] = Mailbox()
         self.counters: dict[str, int] = {
             "requests": 0,
             "transfers": 0,
@@ -137,10 +128,9 @@ class WorkerCore:
                 if not first.done():
                     first.set_result(out)
             elif rec.caller is not None:
-                self.hub.push(
-                    rec.caller,
-                    RequestOutput.of_step(rec.request_id, out),
-                )
+                item = RequestOutput.of_step(rec.request_id, out)
+                item.start, rec.start = rec.start, None  # D: its hand-over timings, on the first
+                self.hub.push(rec.caller, item)
             if out.finished and rec.caller is not None:
                 self.table.close(rec)
 
@@ -170,17 +160,11 @@ class WorkerCore:
 
     # -- ending requests ------------------------------------------------------------------------
 
-    async def abort(self, request_id: str, *, pushing: bool = True) -> None:
+    async def abort(self, request_id: str) -> None:
         """Cancel a request here: its blocks, lease and reservation are freed at once, except blocks
         that a transfer may still write (quarantined until it has ended); a request still on its way
-        is refused when it arrives (a cancel mark). ``pushing=False`` (WRITE, from the caller): no P
-        was asked to push into this request's reservation."""
+        is refused when it arrives (a cancel mark)."""
         rec = self.table.cancel(request_id)
-        late = self.mailbox.abandon(request_id)
-        if isinstance(late, KVHandle):  # delivered but never read here: free P's lease
-            self.release_lease(late)
-        if not pushing:
-            self.pushes_ended(request_id)
         if rec is not None:
             self.counters["cancelled"] += 1
             if rec.prefill_out is not None and not rec.prefill_out.done():
@@ -241,18 +225,12 @@ class WorkerCore:
     def _free(self, engine_id: str) -> None:
         self.loop.post(lambda: self.engine.abort(engine_id))
 
-    def release_lease(self, handle: KVHandle) -> None:
-        """Tell P to free a lease (fire and forget: P frees it at lease + grace anyway). Sent
-        outside the calling request's task lineage, so that no cancellation of it can lose this."""
-
-        async def release() -> None:
-            try:
-                peer = await self.peers.get(handle.engine_key, handle.epoch)
-                peer.actor.release.remote(handle.transfer_id)
-            except Exception as exc:  # P gone: its lease went with it
-                log.info("could not release %s on %s: %r", handle.transfer_id, handle.engine_key, exc)
-
-        self.spawn(release(), detach=True)
+    def rank0(self) -> RankDesc:
+        """This worker's own rank: its agent, KV region and layout."""
+        assert self.engine.kv_mem is not None
+        return RankDesc(
+            rank=0, engine_desc=self.agent.engine_desc(), kv_mem=self.engine.kv_mem, layout=self.engine.layout
+        )
 
     async def reserve_blocks(
         self, req: GenRequest, engine_id: str, deadline_s: float

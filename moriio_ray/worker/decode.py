@@ -1,17 +1,20 @@
-"""D's part of a worker: wait for P's hand-over, bring the prompt's KV in, join the decode batch.
+"""D's part of a worker: take P's hand-over, bring the prompt's KV in, join the decode batch.
 
+P calls ``deliver`` once its prefill is done (one Ray call, P -> D); the call returns once P's blocks
+are no longer needed, which tells P to free its lease (P is the one owner of that release).
 READ: reserve blocks, plan one coalesced batch of segments, issue one read inside P's lease
-(never past ``lease deadline - read_margin_s``), start decoding, release P's lease. With prefix
-caching the reservation starts with the blocks D holds already (its own cached prefix): the read
-covers only the rest, the tail, and a prompt D holds whole needs no read at all (P's lease is
-released at once). D's blocks and P's are the prompt's blocks on both sides, so their counts agree.
+(never past ``lease deadline - read_margin_s``), start decoding. With prefix caching the
+reservation starts with the blocks D holds already (its own cached prefix): the read covers only the
+rest, the tail, and a prompt D holds whole needs no read at all. D's blocks and P's are the prompt's
+blocks on both sides, so their counts agree.
 A read that fails or runs late recomputes the prompt here (``on_transfer_failure: recompute``) or ends the
-request with its typed error (``fail``); blocks that a read still in flight may write are
-quarantined until it has ended, also when the request is cancelled mid-read, and P's lease is
-released only then (the read may still be reading P's blocks).
-WRITE: the blocks were reserved (``reserve``) and P pushed every layer; decoding starts at once. A
+request with its typed error (``fail``) on the caller's stream; blocks that a read still in flight
+may write are quarantined until it has ended, also when the request is cancelled mid-read, and
+``deliver`` returns (P's lease goes) only then: the read may still be reading P's blocks.
+WRITE: P reserved the blocks (``reserve``) and pushed every layer; decoding starts at once. A
 request that ends before P's result came keeps its reservation quarantined until P says its pushes
 have ended (``WorkerCore.pushes_ended``), or until the reservation's deadline plus grace.
+D's hand-over timings (``DecodeStart``) ride on the request's first output on the caller's stream.
 Tensor parallelism: each rank of this engine reads, from every P rank holding some of its KV heads,
 one batched read (``tp_transfer``); the one read is then all of them, under the same deadline.
 """
@@ -21,11 +24,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+
+import msgspec
 
 from moriio_ray import metrics
 from moriio_ray.errors import DeadlineExceeded, MoriioRayError, TransferError, TransferTimeout
-from moriio_ray.runtime.detached import send
 from moriio_ray.runtime.messages import (
     DecodeStart,
     GenRequest,
@@ -43,6 +46,19 @@ from moriio_ray.worker.tp_transfer import plan_pulls, start_pull
 log = logging.getLogger(__name__)
 
 
+class _Lease:
+    """P's lease on the blocks a read comes from: ``free`` ends the ``deliver`` call that P waits
+    on. ``held``: the quarantine frees it once a read still in flight has ended."""
+
+    def __init__(self) -> None:
+        self.freed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.held = False
+
+    def free(self) -> None:
+        if not self.freed.done():
+            self.freed.set_result(None)
+
+
 class DecodeSide:
     """Takes requests whose prompt another engine ran; their tokens go to the caller's stream."""
 
@@ -54,17 +70,14 @@ class DecodeSide:
         """This engine's ranks (rank 0 alone at TP = 1), as P's ranks are matched against them."""
         if self._own_ranks is None:
             c = self.core
-            assert c.engine.kv_mem is not None
-            own = RankDesc(
-                rank=0, engine_desc=c.agent.engine_desc(), kv_mem=c.engine.kv_mem, layout=c.engine.layout
-            )
-            self._own_ranks = [own, *(await c.group.descs() if c.group is not None else [])]
+            self._own_ranks = [c.rank0(), *(await c.group.descs() if c.group is not None else [])]
         return self._own_ranks
 
-    async def reserve(self, req: GenRequest) -> Reservation:
-        """WRITE: reserve blocks for a prompt that P will push into."""
+    async def reserve(self, req: GenRequest, caller: str | None = None) -> Reservation:
+        """WRITE (called by P): reserve blocks for a prompt that P will push into; the request's
+        tokens go to ``caller``'s stream once P's result has come (``deliver``)."""
         c = self.core
-        rec = c.table.open(req.request_id)
+        rec = c.table.open(req.request_id, caller)
         rec.task = asyncio.current_task()
         try:
             deadline_s = time.monotonic() + c.config.runtime.remote_timeout_s
@@ -88,59 +101,63 @@ class DecodeSide:
         return rec.reservation
 
     def _expire(self, rec: WorkerRequest) -> None:
-        # nobody came to decode into the reservation (its caller died between the calls)
-        if rec.caller is None and self.core.table.get(rec.request_id) is rec:
+        # no result came for the reservation (P failed, or nobody asked P to push into it)
+        if rec.reservation is not None and self.core.table.get(rec.request_id) is rec:
             log.warning("reservation %s expired unused; freeing its blocks", rec.request_id)
             self.core.discard(rec)
 
-    async def deliver(self, request_id: str, source: Handoff) -> None:
-        """P hands over its prefill result for a decode that waits here (or will)."""
-        if isinstance(source, PushResult):  # every push has landed, whoever takes the result
-            self.core.pushes_ended(request_id)
-        if not self.core.mailbox.deliver(request_id, source) and isinstance(source, KVHandle):
-            self.core.release_lease(source)  # a duplicate (retried prefill) or an abandoned request
-
-    async def decode(self, req: GenRequest, caller: str) -> DecodeStart:
-        """Wait for P's hand-over, bring the KV in and join the batch; the tokens after the first
-        (the caller has that one from P) go to ``caller``'s output stream."""
+    async def deliver(self, req: GenRequest, source: Handoff, caller: str) -> None:
+        """P's hand-over: bring the KV in and join the batch; the tokens after the first (the
+        caller has that one from P) go to ``caller``'s output stream. Returns once P's blocks are
+        no longer needed (READ: the read has ended, or never starts)."""
         c = self.core
-        rid = req.request_id
-        rec = c.table.get(rid)
-        if rec is None:  # READ (WRITE: ``reserve`` opened it)
-            rec = c.table.open(rid)
-        rec.caller = caller
-        rec.task = asyncio.current_task()
+        handoff_unix = time.time()
+        if isinstance(source, PushResult):  # every push has landed
+            c.pushes_ended(req.request_id)
+            found = c.table.get(req.request_id)
+            if found is None or found.reservation is None:
+                exc = TransferError(f"request {req.request_id!r}: no reservation on {c.key} (expired?)")
+                if found is None:  # (else a duplicate: the request decodes already)
+                    c.fail(WorkerRequest(req.request_id, req.request_id, caller), exc)
+                raise exc
+            rec = found
+        else:  # a cancel that came first refuses it (RequestCancelled): P frees its lease
+            rec = c.table.open(req.request_id, caller)
         c.counters["requests"] += 1
+        lease = _Lease()
+        if isinstance(source, PushResult):
+            lease.free()  # P holds nothing for D
+        # the request's own task: a cancel (the caller's abort) stops it, not this call
+        rec.task = c.spawn(self._run(rec, req, source, handoff_unix, lease))
+        await asyncio.shield(lease.freed)
+
+    async def _run(
+        self, rec: WorkerRequest, req: GenRequest, source: Handoff, handoff_unix: float, lease: _Lease
+    ) -> None:
+        c = self.core
         started = False
         try:
             rec.check_cancelled()
-            source, handoff_unix = await c.mailbox.take(rid, c.config.runtime.remote_timeout_s)
-            if source.finish_reason is not None:  # the first token already ended the request
-                return DecodeStart(handoff_unix=handoff_unix, decode_start_unix=time.time())
             if isinstance(source, KVHandle):
-                start = await self._pull(rec, req, source, handoff_unix)
+                await self._pull(rec, req, source, handoff_unix, lease)
             else:
-                start = await self._accept_push(rec, source, handoff_unix)
+                rec.reservation = None
+                await self._start(rec, source.first_token, DecodeStart(handoff_unix=handoff_unix))
             started = True
-            return start
+        except asyncio.CancelledError:
+            pass  # the caller aborted: nobody reads the stream
+        except BaseException as exc:  # the caller hears it on its stream
+            c.fail(rec, exc)
         finally:
             rec.task = None
+            if not lease.held:
+                lease.free()
             if not started:
-                late = c.mailbox.abandon(rid)
-                if isinstance(late, KVHandle):  # handed over, never read here: free P's lease
-                    c.release_lease(late)
                 c.discard(rec)
 
-    async def _accept_push(self, rec: WorkerRequest, push: PushResult, handoff_unix: float) -> DecodeStart:
-        if rec.reservation is None:
-            raise TransferError(f"request {rec.request_id!r}: no reservation on {self.core.key} (expired?)")
-        rec.reservation = None
-        await self._start(rec, push.first_token)
-        return DecodeStart(handoff_unix=handoff_unix, decode_start_unix=time.time())
-
     async def _pull(
-        self, rec: WorkerRequest, req: GenRequest, h: KVHandle, handoff_unix: float
-    ) -> DecodeStart:
+        self, rec: WorkerRequest, req: GenRequest, h: KVHandle, handoff_unix: float, lease: _Lease
+    ) -> None:
         c = self.core
         cfg = c.config.transfer
         limit_unix = h.lease_deadline_unix - cfg.read_margin_s
@@ -153,10 +170,10 @@ class DecodeSide:
                 raise TransferError(
                     f"{c.key} reserved {len(blocks)} blocks for {h.transfer_id}, P leased {len(h.block_ids)}"
                 )
-            peer = await c.peers.get(h.engine_key, h.epoch)
             t0 = time.perf_counter()
             if held < len(blocks):  # read only the tail that D's cache lacks
                 assert c.engine.kv_mem is not None
+                peer = await c.peers.get(h.engine_key, h.epoch)
                 tail = (blocks[held:], h.block_ids[held:])
                 pulls = plan_pulls(await self._ranks(), peer.info.rank_descs(), *tail)
                 remaining_s = limit_unix - time.time()
@@ -170,31 +187,27 @@ class DecodeSide:
             transfer_s = time.perf_counter() - t0
         except asyncio.CancelledError:
             # a read still running may still read P's blocks: P's lease goes once it has ended
-            if not self._quarantine_if_running(rec, xfer, then=lambda: c.release_lease(h)):
-                c.release_lease(h)
+            self._quarantine_if_running(rec, xfer, lease)
             raise
         except (MoriioRayError, TimeoutError) as exc:
-            return await self._recompute(rec, req, h, exc, xfer, handoff_unix)
-        try:
-            await self._start(rec, h.first_token)
-            started_unix = time.time()  # the engine decodes it from here (the release is not in it)
-        finally:  # the read has ended: P's lease goes, whatever happens to the start (a cancel)
-            send(peer.actor.release, h.transfer_id)  # after the hand-over: off the critical path
+            await self._recompute(rec, req, h, exc, xfer, handoff_unix, lease)
+            return
+        lease.free()  # the read has ended: P's lease goes
         if xfer is None:  # D held the whole prompt: nothing moved
-            return DecodeStart(handoff_unix=handoff_unix, decode_start_unix=started_unix)
+            await self._start(rec, h.first_token, DecodeStart(handoff_unix=handoff_unix))
+            return
         start = DecodeStart(
             handoff_unix=handoff_unix,
-            decode_start_unix=started_unix,
             transfer_s=transfer_s,
             transfer_bytes=xfer.num_bytes,
             transfer_segments=xfer.num_segments,
         )
+        await self._start(rec, h.first_token, start)
         c.counters["transfers"] += 1
         c.counters["transfer_bytes"] += xfer.num_bytes
         metrics.record_transfer(
             xfer.num_bytes, transfer_s, xfer.num_segments, backend=c.agent.name, role="decode"
         )
-        return start
 
     async def _recompute(
         self,
@@ -204,16 +217,17 @@ class DecodeSide:
         exc: BaseException,
         xfer: Transfer | None,
         handoff_unix: float,
-    ) -> DecodeStart:
+        lease: _Lease,
+    ) -> None:
         c = self.core
         kind = type(exc).__name__
         log.warning("%s: KV read for %s failed (%s): %s", c.key, rec.request_id, kind, exc)
         c.counters["transfer_failures"] += 1
         metrics.record_failure(kind, role="decode")
         # a read still running (it timed out) keeps its blocks here, and P's lease, until it ends
-        held = self._quarantine_if_running(rec, xfer, then=lambda: c.release_lease(h))
+        held = self._quarantine_if_running(rec, xfer, lease)
         if not held:
-            c.release_lease(h)
+            lease.free()
         if c.config.transfer.on_transfer_failure == "fail" or isinstance(exc, DeadlineExceeded):
             raise exc  # fail, or no blocks came for the request at all
         if held:
@@ -222,27 +236,33 @@ class DecodeSide:
                 await c.reserve_blocks(req, rec.engine_id, deadline_s)
             except DeadlineExceeded:
                 raise TransferError(f"{c.key}: no blocks to recompute {rec.request_id}") from None
+        rec.start = DecodeStart(handoff_unix=handoff_unix, decode_start_unix=time.time(), recomputed=True)
         await c.loop.call(lambda: c.engine.recompute_reserved(rec.engine_id, h.first_token))
         c.counters["recomputes"] += 1
-        return DecodeStart(handoff_unix=handoff_unix, decode_start_unix=time.time(), recomputed=True)
 
-    def _quarantine_if_running(
-        self, rec: WorkerRequest, xfer: Transfer | None, then: Callable[[], None]
-    ) -> bool:
+    def _quarantine_if_running(self, rec: WorkerRequest, xfer: Transfer | None, lease: _Lease) -> bool:
         """A read still in flight may land in the request's blocks: keep them out of use until it
-        ends, then run ``then``, and continue the request (if at all) under a fresh engine id.
+        ends, then free P's lease, and continue the request (if at all) under a fresh engine id.
         True if it did so."""
         if xfer is None or xfer.done():
             return False
         c = self.core
         max_wait_s = c.config.transfer.timeout_s + c.config.transfer.lease_grace_s
-        c.quarantine.hold_read(rec.engine_id, xfer, max_wait_s, then)
+        lease.held = True
+        c.quarantine.hold_read(rec.engine_id, xfer, max_wait_s, lease.free)
         c.table.rekey(rec, f"{rec.request_id}:recompute")
         return True
 
-    async def _start(self, rec: WorkerRequest, first_token: int) -> None:
+    async def _start(self, rec: WorkerRequest, first_token: int, start: DecodeStart) -> None:
+        """Join the decode batch; ``start`` (its time set here) rides on the first output."""
+        engine = self.core.engine
         engine_id = rec.engine_id
-        await self.core.loop.call_now(lambda: self.core.engine.start_decode(engine_id, first_token))
+
+        def join() -> None:
+            rec.start = msgspec.structs.replace(start, decode_start_unix=time.time())
+            engine.start_decode(engine_id, first_token)
+
+        await self.core.loop.call_now(join)
 
 
 async def _wait(xfer: Transfer, timeout_s: float) -> None:

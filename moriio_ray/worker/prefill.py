@@ -1,13 +1,16 @@
-"""P's part of a worker: prefill and lease (READ), prefill while pushing each layer (WRITE), release.
+"""P's part of a worker: prefill and lease (READ), reserve on D and prefill while pushing each layer
+(WRITE), and the hand-over to D.
 
-READ: once P has handed a lease to D, D owns its release (after its read has ended, or when it gives
-up on the handle); a cancel that reaches P then leaves the lease alone, since D's read may still be
-reading it. P frees it itself only when D dies, or at the lease's deadline plus grace.
-WRITE: a push that ends early (cancelled, failed, timed out) starts no more writes; once those
-started have ended, P frees its blocks and tells D (``pushes_ended``), whose reserved blocks stay
-out of use until then. Under tensor parallelism every rank pushes its own KV heads: rank 0 here,
-the others on ``RankGroup.prepare_push`` before the prefill starts; the push is over when every
-rank's is.
+READ: P hands its lease to D in one call, ``D.deliver``, sent outside the request's task lineage;
+the call returns once D's read has ended (or will never start), and P frees the lease then. P is
+the lease's one owner: a cancel that reaches P while D holds the handle leaves the lease alone (D's
+read may still be reading it); D's death fails the call, which frees it too; the expiry sweep at the
+lease's deadline plus grace is the backstop.
+WRITE: P reserves D's blocks itself (``D.reserve``), then pushes each computed layer into them. A
+push that ends early (cancelled, failed, timed out) starts no more writes; once those started have
+ended, P frees its blocks and tells D (``pushes_ended``), whose reserved blocks stay out of use
+until then. Under tensor parallelism every rank pushes its own KV heads: rank 0 here, the others on
+``RankGroup.prepare_push`` before the prefill starts; the push is over when every rank's is.
 """
 
 from __future__ import annotations
@@ -19,10 +22,12 @@ import time
 from moriio_ray import metrics
 from moriio_ray.engine.batch import PrefillChunk
 from moriio_ray.engine.outputs import PrefillResult
+from moriio_ray.errors import DeadlineExceeded
 from moriio_ray.runtime.deadline import deadline
 from moriio_ray.runtime.detached import send
-from moriio_ray.runtime.messages import GenRequest, Handoff, KVHandle, PeerRef, PushResult, Reservation
+from moriio_ray.runtime.messages import GenRequest, KVHandle, PeerRef, PushResult, Reservation
 from moriio_ray.worker.core import WorkerCore
+from moriio_ray.worker.peers import Peer
 from moriio_ray.worker.push import LayerPusher, push_targets
 from moriio_ray.worker.requests import WorkerRequest
 
@@ -30,21 +35,23 @@ log = logging.getLogger(__name__)
 
 
 class PrefillSide:
-    """Runs prompts and hands their result to D (``deliver_to``) and back to the caller."""
+    """Runs prompts and hands their result to D (``deliver``) and back to the caller."""
 
     def __init__(self, core: WorkerCore) -> None:
         self.core = core
-        core.engine.set_layer_hook(self._on_layer)
-        # READ: leases handed to a D, which releases them: transfer id -> (D, when P frees it anyway)
-        self._handed: dict[str, tuple[PeerRef, float]] = {}
+        self._handed: set[str] = set()  # READ: leases D may be reading (its ``deliver`` runs)
         self._settling: set[str] = set()  # WRITE: requests whose early-ended pushes P still waits for
+        if core.config.mode == "write":  # READ pays no per-layer call
+            core.engine.set_layer_hook(self._on_layer)
 
-    async def prefill(self, req: GenRequest, deliver_to: PeerRef | None = None) -> KVHandle:
-        """READ: prefill, sample the first token and lease the prompt's blocks for D to read."""
+    async def prefill(self, req: GenRequest, to: PeerRef | None = None, caller: str = "") -> KVHandle:
+        """READ: prefill, sample the first token and lease the prompt's blocks; hand them to ``to``
+        (D), whose tokens go to ``caller``'s stream. (Without ``to`` the lease lasts until it expires.)"""
         c = self.core
         rec = c.table.open(req.request_id)
         ok = False
         try:
+            peer = await c.peers.get(to.key, to.epoch) if to is not None else None
             pre, reason, prefill_s = await self._prefill(rec, req)
             handle = KVHandle(
                 transfer_id=req.request_id,
@@ -62,7 +69,9 @@ class PrefillSide:
                 prefill_s=prefill_s,
                 finish_reason=reason,
             )
-            await self._deliver(deliver_to, req.request_id, handle)
+            if peer is not None and reason is None:  # (a first token that ends it leases nothing)
+                self._handed.add(handle.transfer_id)
+                c.spawn(self._hand_over(peer, req, handle, caller), detach=True)
             ok = True
             return handle
         finally:
@@ -70,16 +79,37 @@ class PrefillSide:
             if not ok:  # cancelled or failed: free the blocks (and any lease) at once
                 c.loop.post(lambda: c.engine.abort(req.request_id))
 
-    async def prefill_push(
-        self, req: GenRequest, reservation: Reservation, deliver_to: PeerRef | None = None
-    ) -> PushResult:
-        """WRITE: prefill while pushing each computed layer into D's reserved blocks; then free ours."""
+    async def _hand_over(self, peer: Peer, req: GenRequest, handle: KVHandle, caller: str) -> None:
+        """D reads the lease inside its ``deliver`` call; its end (or failure: D died, or refused
+        the request) frees the lease. P is the one owner of that release; its expiry sweep is the
+        backstop should D hang."""
+        c = self.core
+        tid = handle.transfer_id
+        wait_s = max(0.0, handle.lease_deadline_unix - time.time()) + c.config.transfer.lease_grace_s
+        try:
+            await deadline(peer.actor.deliver.remote(req, handle, caller), wait_s, f"{peer.key}'s read")
+        except DeadlineExceeded:
+            self._handed.discard(tid)
+            return  # the sweep frees the lease at its deadline plus grace
+        except Exception as exc:
+            log.info("the hand-over of %s to %s ended with %r", tid, peer.key, exc)
+        self._handed.discard(tid)
+        c.loop.post(lambda: c.engine.release(tid))
+
+    async def prefill_push(self, req: GenRequest, to: PeerRef, caller: str = "") -> PushResult:
+        """WRITE: reserve blocks on D (``to``), prefill while pushing each computed layer into them,
+        free ours and hand the result to D, whose tokens go to ``caller``'s stream."""
         c = self.core
         rec = c.table.open(req.request_id)
         pusher: LayerPusher | None = None
         ok = False
         try:
-            peer = await c.peers.get(reservation.engine_key, reservation.epoch)
+            peer = await c.peers.get(to.key, to.epoch)
+            reservation: Reservation = await deadline(
+                peer.actor.reserve.remote(req, caller),
+                c.config.runtime.remote_timeout_s,
+                f"the reservation on {to.key}",
+            )
             assert c.engine.kv_mem is not None
             d_ranks = peer.info.rank_descs()
             targets = push_targets(c.engine.layout, d_ranks)
@@ -118,17 +148,16 @@ class PrefillSide:
                 finish_reason=reason,
                 num_cached_tokens=pre.num_cached_tokens,
             )
-            ok = True  # every push has landed: the result tells D so
-            await self._deliver(deliver_to, req.request_id, result)
+            ok = True  # every push has landed: the result tells D so (and ends its reservation)
+            send(peer.actor.deliver, req, result, caller)  # outside this call's lineage
             return result
         finally:
             c.table.close(rec)
             if ok:  # P keeps nothing once the push is over: D holds the KV now
                 c.loop.post(lambda: c.engine.abort(req.request_id))
             else:  # cancelled or failed: settle the pushes first (off this task: it may be cancelled)
-                d = PeerRef(reservation.engine_key, reservation.epoch)
                 self._settling.add(req.request_id)
-                c.spawn(self._settle(req.request_id, pusher, d), detach=True)
+                c.spawn(self._settle(req.request_id, pusher, to), detach=True)
 
     async def _settle(self, request_id: str, pusher: LayerPusher | None, d: PeerRef) -> None:
         """A push that ended early: start no more writes, wait for those started (bounded), free
@@ -176,32 +205,13 @@ class PrefillSide:
             raise
         return num_bytes, num_segments
 
-    async def _deliver(self, to: PeerRef | None, request_id: str, result: Handoff) -> None:
-        """Hand the result straight to D (one Ray call; the caller gets its own copy)."""
-        if to is not None:
-            peer = await self.core.peers.get(to.key, to.epoch)
-            if isinstance(result, KVHandle) and result.block_ids:  # D releases it from now on
-                self._hand(result.transfer_id, to)
-            send(peer.actor.deliver, request_id, result)  # D releases what it cannot use
-
-    def _hand(self, transfer_id: str, to: PeerRef) -> None:
-        c = self.core
-        now_s = time.monotonic()
-        if len(self._handed) > 1024:  # forget leases that have expired meanwhile
-            self._handed = {t: v for t, v in self._handed.items() if v[1] > now_s}
-        self._handed[transfer_id] = (
-            to,
-            now_s + c.config.transfer.kv_lease_s + c.config.transfer.lease_grace_s,
-        )
-
     async def release(self, transfer_id: str) -> bool:
-        """D has read (or given up on) a lease: free P's blocks now."""
-        self._handed.pop(transfer_id, None)
+        """Free a lease now (tests: a lease handed to nobody)."""
         released: bool = await self.core.loop.call_now(lambda: self.core.engine.release(transfer_id))
         return released
 
     async def abort(self, request_id: str, push_to: PeerRef | None = None) -> None:
-        """Cancel a request here. A lease already handed to D stays until D releases it (its read
+        """Cancel a request here. A lease handed to D stays until D's ``deliver`` returns (its read
         may still run). WRITE (``push_to``: the D it pushes to): if no push of it is running here,
         none will start (the cancel mark refuses it), and D hears so at once."""
         c = self.core
@@ -212,15 +222,6 @@ class PrefillSide:
         await c.abort(request_id)
         if push_to is not None and not running:
             await self._pushes_ended(push_to, request_id)
-
-    def peer_lost(self, key: str, epoch: int) -> None:
-        """D died: free the leases handed to it (nobody reads them any more)."""
-        gone = [t for t, (d, _) in self._handed.items() if d.key == key and d.epoch <= epoch]
-        for transfer_id in gone:
-            del self._handed[transfer_id]
-        if gone:
-            engine = self.core.engine
-            self.core.loop.post(lambda: [engine.release(t) for t in gone])
 
     async def _prefill(self, rec: WorkerRequest, req: GenRequest) -> tuple[PrefillResult, str | None, float]:
         """(the prefill's result, the finish reason if the first token ended it, seconds)."""

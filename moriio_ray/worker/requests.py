@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from moriio_ray.engine.outputs import StepOutput
 from moriio_ray.errors import InvalidRequest, RequestCancelled
-from moriio_ray.runtime.messages import Reservation
+from moriio_ray.runtime.messages import DecodeStart, Reservation
 
 if TYPE_CHECKING:
     from moriio_ray.worker.push import LayerPusher
@@ -33,6 +33,7 @@ class WorkerRequest:
     pushes_ended: bool = False  # D (WRITE): no push into the reservation can land any more
     pusher: LayerPusher | None = None  # P (WRITE): pushes each computed layer
     task: asyncio.Task[object] | None = None  # the call serving it, cancelled by an abort
+    start: DecodeStart | None = None  # D: its hand-over timings, sent with its first output
     cancelled: bool = False
 
     def check_cancelled(self) -> None:

@@ -110,7 +110,7 @@ def test_a_prefill_that_faults_fails_its_call_only() -> None:
         results = await asyncio.gather(*(worker.prefill(r) for r in reqs), return_exceptions=True)
         for r, res in zip(reqs, results, strict=True):
             if not isinstance(res, BaseException):
-                assert await worker.release(r.request_id)
+                assert await worker._side_p().release(r.request_id)
         stats = await worker.stats()
         await worker.shutdown()
         return results, stats
