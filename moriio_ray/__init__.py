@@ -12,8 +12,8 @@ __version__ = "0.1.0"
 
 # public name -> module that defines it
 _EXPORTS: dict[str, str] = {
-    "PDPipeline": "moriio_ray.runtime.pipeline",
-    "GenerationResult": "moriio_ray.runtime.pipeline",
+    "PDPipeline": "moriio_ray.caller.pipeline",
+    "GenerationResult": "moriio_ray.caller.results",
     "SamplingParams": "moriio_ray.engine.sampling",
     "PipelineConfig": "moriio_ray.config",
     "TransferConfig": "moriio_ray.config",
@@ -27,9 +27,10 @@ _EXPORTS: dict[str, str] = {
 __all__ = sorted([*_EXPORTS, "__version__"])
 
 if TYPE_CHECKING:
+    from moriio_ray.caller.pipeline import PDPipeline
+    from moriio_ray.caller.results import GenerationResult
     from moriio_ray.config import PipelineConfig, TransferConfig, load_config, parse_pipeline_config
     from moriio_ray.engine.sampling import SamplingParams
-    from moriio_ray.runtime.pipeline import GenerationResult, PDPipeline
     from moriio_ray.transfer import create_agent
     from moriio_ray.transfer.layout import KVLayout
     from moriio_ray.transfer.plan import plan_blocks

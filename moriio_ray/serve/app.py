@@ -36,7 +36,7 @@ INGRESS_HEADROOM = 16
 
 def attach_or_launch(config: PipelineConfig) -> tuple[Any, bool]:
     """(pipeline, launched_here): attach to the running pipeline ``config.name``, else launch it."""
-    from moriio_ray.runtime.pipeline import PDPipeline
+    from moriio_ray.caller.pipeline import PDPipeline
 
     try:
         pipe = PDPipeline.connect(config.name)

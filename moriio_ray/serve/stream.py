@@ -39,7 +39,7 @@ Format = CompletionFormat | ChatFormat
 
 
 class EventLike(Protocol):
-    """What the pipeline streams (``moriio_ray.runtime.results.StreamEvent``)."""
+    """What the pipeline streams (``moriio_ray.caller.results.StreamEvent``)."""
 
     token_ids: list[int]
     text: str

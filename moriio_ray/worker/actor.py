@@ -11,28 +11,28 @@ from __future__ import annotations
 import asyncio
 import inspect
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from moriio_ray import metrics
 from moriio_ray.config import PipelineConfig
 from moriio_ray.errors import InvalidRequest
-from moriio_ray.runtime.deadline import deadline
-from moriio_ray.runtime.messages import (
+from moriio_ray.protocol.deadline import deadline
+from moriio_ray.protocol.messages import (
     GenRequest,
     Handoff,
     KVHandle,
     Member,
     PeerRef,
     PushResult,
-    RankDesc,
     RequestOutput,
     Reservation,
     Role,
     WorkerInfo,
 )
-from moriio_ray.worker.core import WorkerCore
-from moriio_ray.worker.decode import DecodeSide
-from moriio_ray.worker.prefill import PrefillSide
+
+if TYPE_CHECKING:  # the heavy parts (engine, torch, agent) load in __init__, in the worker's process:
+    from moriio_ray.worker.decode import DecodeSide  # none of them
+    from moriio_ray.worker.prefill import PrefillSide
 
 
 class EngineWorker:
@@ -49,13 +49,17 @@ class EngineWorker:
         coordinator: Any = None,
         ranks: list[Any] | None = None,
     ) -> None:
+        from moriio_ray.worker.core import WorkerCore
+        from moriio_ray.worker.decode import DecodeSide
+        from moriio_ray.worker.prefill import PrefillSide
+
         self.role = Role(role)
         # ranks: the RankWorker actors of a tensor-parallel engine's ranks 1.. (this worker is rank 0)
         self.core = WorkerCore(
             config, self.role, key, epoch=epoch, token=token, coordinator=coordinator, ranks=ranks
         )
-        self._prefill = PrefillSide(self.core) if self.role is Role.PREFILL else None
-        self._decode = DecodeSide(self.core) if self.role is Role.DECODE else None
+        self._prefill: PrefillSide | None = PrefillSide(self.core) if self.role is Role.PREFILL else None
+        self._decode: DecodeSide | None = DecodeSide(self.core) if self.role is Role.DECODE else None
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -63,9 +67,8 @@ class EngineWorker:
         """Start the engine loop, capture the decode CUDA graphs, and describe this worker."""
         c = self.core
         await c.loop.call(c.engine.capture_graphs)
-        ranks: list[RankDesc] = []
-        if c.group is not None:  # every rank's descriptors and KV-head range, rank 0 first
-            ranks = [c.rank0(), *(await c.group.descs())]
+        # every rank's descriptors and KV-head range, rank 0 first (none at TP = 1)
+        ranks = [c.rank0(), *(await c.group.descs())] if c.group is not None else []
         return WorkerInfo(
             key=c.key,
             role=self.role,

@@ -19,8 +19,8 @@ from moriio_ray.config import PipelineConfig
 from moriio_ray.engine.engine import Engine
 from moriio_ray.engine.outputs import StepOutput
 from moriio_ray.errors import ConfigError, DeadlineExceeded, EngineFailed, MoriioRayError, RequestCancelled
-from moriio_ray.runtime import detached
-from moriio_ray.runtime.messages import GenRequest, RankDesc, RequestOutput, Role, error_from
+from moriio_ray.protocol import detached
+from moriio_ray.protocol.messages import GenRequest, RankDesc, RequestOutput, Role, error_from
 from moriio_ray.transfer import create_agent
 from moriio_ray.worker.engine_loop import EngineLoop
 from moriio_ray.worker.outputs import STREAM_PERIOD_S, OutputHub
@@ -107,7 +107,7 @@ class WorkerCore:
 
     def spawn(self, coro: Coroutine[Any, Any, Any], *, detach: bool = False) -> asyncio.Task[Any]:
         """Run ``coro`` in the background; it is kept alive and its failure logged. ``detach``:
-        outside the current request's Ray task lineage (see ``runtime/detached.py``)."""
+        outside the current request's Ray task lineage (see ``protocol/detached.py``)."""
         task = detached.spawn(coro) if detach else asyncio.ensure_future(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)

@@ -29,7 +29,7 @@ import msgspec
 
 from moriio_ray import metrics
 from moriio_ray.errors import DeadlineExceeded, MoriioRayError, TransferError, TransferTimeout
-from moriio_ray.runtime.messages import (
+from moriio_ray.protocol.messages import (
     DecodeStart,
     GenRequest,
     Handoff,

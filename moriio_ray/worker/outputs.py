@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from moriio_ray.runtime.messages import OutputBatch, RequestOutput
+from moriio_ray.protocol.messages import OutputBatch, RequestOutput
 
 STREAM_PERIOD_S = 5.0  # one streaming call lasts this long, then the caller opens the next
 CALLER_GRACE_S = 3 * STREAM_PERIOD_S  # no open stream for this long: the caller is gone

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from moriio_ray.errors import PeerLost, StaleDescriptor
-from moriio_ray.runtime.deadline import deadline
-from moriio_ray.runtime.messages import Member, WorkerInfo
+from moriio_ray.protocol.deadline import deadline
+from moriio_ray.protocol.messages import Member, WorkerInfo
 from moriio_ray.transfer.base import TransferAgent
 from moriio_ray.transfer.layout import KVLayout
 from moriio_ray.transfer.plan import rank_pairs

@@ -23,9 +23,9 @@ from moriio_ray import metrics
 from moriio_ray.engine.batch import PrefillChunk
 from moriio_ray.engine.outputs import PrefillResult
 from moriio_ray.errors import DeadlineExceeded
-from moriio_ray.runtime.deadline import deadline
-from moriio_ray.runtime.detached import send
-from moriio_ray.runtime.messages import GenRequest, KVHandle, PeerRef, PushResult, Reservation
+from moriio_ray.protocol.deadline import deadline
+from moriio_ray.protocol.detached import send
+from moriio_ray.protocol.messages import GenRequest, KVHandle, PeerRef, PushResult, Reservation
 from moriio_ray.worker.core import WorkerCore
 from moriio_ray.worker.peers import Peer
 from moriio_ray.worker.push import LayerPusher, push_targets

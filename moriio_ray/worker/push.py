@@ -22,7 +22,7 @@ import numpy as np
 
 from moriio_ray.engine.batch import PrefillChunk
 from moriio_ray.errors import TransferError, TransferTimeout
-from moriio_ray.runtime.messages import RankDesc
+from moriio_ray.protocol.messages import RankDesc
 from moriio_ray.transfer.base import TransferAgent
 from moriio_ray.transfer.desc import MemoryDesc
 from moriio_ray.transfer.handle import Transfer

@@ -20,7 +20,7 @@ from moriio_ray import env
 from moriio_ray.config import PipelineConfig
 from moriio_ray.engine.batch import PrefillChunk
 from moriio_ray.errors import InvalidRequest, MoriioRayError
-from moriio_ray.runtime.messages import RankDesc, Role
+from moriio_ray.protocol.messages import RankDesc, Role
 from moriio_ray.transfer import create_agent
 from moriio_ray.worker.push import LayerPusher, push_targets
 from moriio_ray.worker.ranks import end_process

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from moriio_ray.engine.outputs import StepOutput
 from moriio_ray.errors import InvalidRequest, RequestCancelled
-from moriio_ray.runtime.messages import DecodeStart, Reservation
+from moriio_ray.protocol.messages import DecodeStart, Reservation
 
 if TYPE_CHECKING:
     from moriio_ray.worker.push import LayerPusher

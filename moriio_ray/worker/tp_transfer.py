@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from moriio_ray.errors import MoriioRayError, PeerLost, TransferError, TransferTimeout
-from moriio_ray.runtime.messages import RankDesc
+from moriio_ray.protocol.messages import RankDesc
 from moriio_ray.transfer.base import TransferAgent
 from moriio_ray.transfer.desc import EngineDesc, MemoryDesc
 from moriio_ray.transfer.handle import Transfer

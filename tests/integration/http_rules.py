@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import ray
 
-from moriio_ray.runtime.coordinator import NAMESPACE, coordinator_name
+from moriio_ray.coordinator.actor import NAMESPACE, coordinator_name
 from tests.integration.helpers import leaks, wait_until
 
 

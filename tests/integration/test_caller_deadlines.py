@@ -11,7 +11,7 @@ import ray
 
 from moriio_ray import PDPipeline
 from moriio_ray.errors import DeadlineExceeded
-from moriio_ray.runtime.messages import Member, Membership
+from moriio_ray.protocol.messages import Member, Membership
 from tests.integration.helpers import tiny_config
 
 pytestmark = pytest.mark.usefixtures("ray_cpu")

@@ -56,7 +56,7 @@ pytestmark = pytest.mark.usefixtures("ray_cpu")
 def url(ray_cpu: None) -> Iterator[str]:
     from ray import serve
 
-    from moriio_ray.runtime.pipeline import PDPipeline
+    from moriio_ray.caller.pipeline import PDPipeline
     from moriio_ray.serve import build_app
 
     port = free_port()

@@ -11,8 +11,8 @@ import ray
 from ray.util import placement_group_table
 
 from moriio_ray import PDPipeline, SamplingParams
+from moriio_ray.coordinator.actor import NAMESPACE, coordinator_name
 from moriio_ray.errors import CapacityError, DeadlineExceeded, PeerLost
-from moriio_ray.runtime.coordinator import NAMESPACE, coordinator_name
 from tests.integration.helpers import assert_no_leaks, tiny_config, varied_prompts, wait_until
 from tests.integration.rules import actor, deaths, epoch, reference
 from tests.worker_faults import slow_steps

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from ray._raylet import async_task_id
 
-from moriio_ray.runtime.detached import send, spawn
+from moriio_ray.protocol.detached import send, spawn
 
 
 class _Method:

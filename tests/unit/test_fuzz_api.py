@@ -17,11 +17,11 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 
+from moriio_ray.caller.pipeline import PDPipeline
+from moriio_ray.caller.results import StreamEvent
 from moriio_ray.config import parse_pipeline_config
 from moriio_ray.engine.engine import Engine, StepOutput
-from moriio_ray.runtime.messages import GenRequest, error_from
-from moriio_ray.runtime.pipeline import PDPipeline
-from moriio_ray.runtime.results import StreamEvent
+from moriio_ray.protocol.messages import GenRequest, error_from
 from moriio_ray.serve.handler import JSONReply, OpenAIServer, StreamReply
 from moriio_ray.serve.prepare import Limits
 from tests.fuzz_bodies import chat_bodies, check_error_body, completion_bodies, encoded

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from moriio_ray.runtime.messages import OutputBatch, RequestOutput
+from moriio_ray.protocol.messages import OutputBatch, RequestOutput
 from moriio_ray.transfer.desc import (
     EngineDesc,
     MemoryDesc,

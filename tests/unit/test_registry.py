@@ -46,7 +46,7 @@ def test_import_transfer_loads_no_backend_no_ray_no_torch() -> None:
 @pytest.mark.timeout(60)
 def test_caller_side_loads_no_torch_and_no_worker_code() -> None:
     loaded = _modules_after(
-        "import moriio_ray.runtime.pipeline, moriio_ray.runtime.coordinator, moriio_ray.serve.app"
+        "import moriio_ray.caller.pipeline, moriio_ray.coordinator.actor, moriio_ray.serve.app"
     )
     heavy = {
         m
@@ -55,6 +55,26 @@ def test_caller_side_loads_no_torch_and_no_worker_code() -> None:
         or m.startswith("moriio_ray.worker")
     }
     assert not heavy, f"the caller side loaded {sorted(heavy)}"
+
+
+@pytest.mark.timeout(60)
+def test_the_coordinators_spawn_path_loads_no_torch() -> None:
+    """The coordinator builds the worker actor classes (``make_actor_class``, and the rank actors'
+    of a tensor-parallel engine) in its own process: that must load no torch, no engine, no agent."""
+    loaded = _modules_after(
+        "import moriio_ray.coordinator.actor\n"
+        "from moriio_ray.worker.actor import make_actor_class\n"
+        "make_actor_class()"
+    )
+    assert "ray" in loaded and "moriio_ray.worker.actor" in loaded  # the path did run
+    heavy = {
+        m
+        for m in loaded
+        if m == "torch"
+        or m.startswith(("torch.", "moriio_ray.engine.engine", "moriio_ray.engine.model"))
+        or m in ("moriio_ray.worker.core", "moriio_ray.transfer.base", *BACKEND_MODULES)
+    }
+    assert not heavy, f"the coordinator's spawn path loaded {sorted(heavy)}"
 
 
 @pytest.mark.timeout(60)

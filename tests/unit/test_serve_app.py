@@ -6,9 +6,9 @@ from typing import Any
 
 import pytest
 
+from moriio_ray.caller import pipeline as pipeline_mod
 from moriio_ray.config import PipelineConfig, parse_pipeline_config
 from moriio_ray.errors import ConfigError
-from moriio_ray.runtime import pipeline as pipeline_mod
 from moriio_ray.serve import app as app_mod
 
 CFG = parse_pipeline_config({"name": "unit", "serve": {"max_ongoing_requests": 5, "num_replicas": 2}})

@@ -11,11 +11,11 @@ from typing import Any
 
 import pytest
 
+from moriio_ray.caller.pipeline import StreamEvent
+from moriio_ray.caller.validate import check_request
 from moriio_ray.engine.outputs import PromptLogprobs
 from moriio_ray.engine.tokenizer import ByteTokenizer
 from moriio_ray.errors import CapacityError, PeerLost
-from moriio_ray.runtime.pipeline import StreamEvent
-from moriio_ray.runtime.validate import check_request
 from moriio_ray.serve.handler import MAX_BODY_BYTES, JSONReply, OpenAIServer, Reply, StreamReply
 from moriio_ray.serve.prepare import Limits
 

@@ -2,7 +2,7 @@
 
 Errors go through what the ingress does before any pipeline work: ``prepare_*`` (parsing, the
 OpenAI request's own rules), then the pipeline's one check against the model
-(``runtime/validate.py``, which ``PDPipeline.make_request`` runs), mapped to the request's fields.
+(``caller/validate.py``, which ``PDPipeline.make_request`` runs), mapped to the request's fields.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import json
 
 import pytest
 
+from moriio_ray.caller.validate import check_request
 from moriio_ray.engine.tokenizer import ByteTokenizer
-from moriio_ray.runtime.validate import check_request
 from moriio_ray.serve.errors import APIError, from_exception
 from moriio_ray.serve.openai import ChatCompletionRequest, CompletionRequest, parse_request
 from moriio_ray.serve.prepare import Limits, Prepared, prepare_chat, prepare_completion
@@ -177,7 +177,7 @@ def test_bad_values_are_400_naming_the_field(fn: object, body: dict, param: str)
 @pytest.mark.timeout(10)
 def test_the_check_against_the_model_is_the_pipelines_alone() -> None:
     # prepare parses and tokenizes; the empty prompt, token ids and length rule are checked once,
-    # in PDPipeline.make_request (runtime/validate.py), not here again
+    # in PDPipeline.make_request (caller/validate.py), not here again
     assert prepare_completion(parse_request(b'{"prompt": [1, 999]}', CompletionRequest), TOK, LIMITS)[
         0
     ].token_ids == [

@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 
+from moriio_ray.caller.detok import IncrementalText
+from moriio_ray.caller.results import StreamEvent
 from moriio_ray.engine.tokenizer import ByteTokenizer
 from moriio_ray.errors import PeerLost
-from moriio_ray.runtime.detok import IncrementalText
-from moriio_ray.runtime.results import StreamEvent
 from moriio_ray.serve.handler import JSONReply, OpenAIServer, StreamReply
 from moriio_ray.serve.prepare import Limits
 from moriio_ray.serve.stream import merge

@@ -19,10 +19,10 @@ import pytest
 import torch
 
 from moriio_ray.config import PoolConfig, RoleConfig, TransferConfig
+from moriio_ray.coordinator.engine_group import bundle, check_node_fit
 from moriio_ray.engine.batch import PrefillChunk
 from moriio_ray.errors import ConfigError, PeerLost, TransferTimeout
-from moriio_ray.runtime.engine_group import bundle, check_node_fit
-from moriio_ray.runtime.messages import Member, RankDesc, Role, WorkerInfo
+from moriio_ray.protocol.messages import Member, RankDesc, Role, WorkerInfo
 from moriio_ray.transfer import TransferAgent, create_agent
 from moriio_ray.transfer.layout import KVLayout
 from moriio_ray.worker.peers import PeerDirectory
@@ -167,7 +167,7 @@ def test_an_engine_group_is_one_bundle_on_one_node() -> None:
 
 def test_a_preset_that_does_not_split_into_the_tp_size_is_refused_before_any_worker_starts() -> None:
     from moriio_ray.config import parse_pipeline_config
-    from moriio_ray.runtime.engine_group import check_tp_sizes
+    from moriio_ray.coordinator.engine_group import check_tp_sizes
 
     ok = parse_pipeline_config({"pool": {"decode": {"tensor_parallel_size": 2}}})
     check_tp_sizes(ok)

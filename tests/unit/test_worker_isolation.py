@@ -12,7 +12,7 @@ import pytest
 from moriio_ray.config import parse_pipeline_config
 from moriio_ray.engine.sampling import SamplingParams
 from moriio_ray.errors import RequestFailed
-from moriio_ray.runtime.messages import GenRequest, OutputBatch, RequestOutput
+from moriio_ray.protocol.messages import GenRequest, OutputBatch, RequestOutput
 from moriio_ray.worker.actor import EngineWorker
 
 PROMPTS = [[72, 101, 108, 108, 111], [87, 111, 114, 108, 100, 33], [1, 2, 3, 4, 5, 6, 7, 8, 9]]

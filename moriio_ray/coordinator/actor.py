@@ -24,9 +24,9 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from moriio_ray import env
 from moriio_ray.config import PipelineConfig, RoleConfig
+from moriio_ray.coordinator.engine_group import bundle, check_node_fit, check_tp_sizes, kill_all, start_ranks
 from moriio_ray.errors import CapacityError, DeadlineExceeded
-from moriio_ray.runtime.engine_group import bundle, check_node_fit, check_tp_sizes, kill_all, start_ranks
-from moriio_ray.runtime.messages import Member, Membership, Role, WorkerInfo
+from moriio_ray.protocol.messages import Member, Membership, Role, WorkerInfo
 
 log = logging.getLogger(__name__)
 WORKER_STATS_TIMEOUT_S = 10.0  # a worker that does not answer is listed with its error

@@ -20,7 +20,7 @@ import msgspec
 import ray
 
 from moriio_ray.errors import DeadlineExceeded
-from moriio_ray.runtime.messages import Member, OutputBatch, RequestOutput
+from moriio_ray.protocol.messages import Member, OutputBatch, RequestOutput
 
 log = logging.getLogger(__name__)
 

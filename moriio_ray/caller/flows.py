@@ -27,12 +27,14 @@ from typing import Any
 import msgspec
 import ray
 
+from moriio_ray.caller.router import Router
+from moriio_ray.caller.streams import OutputStreams, Subscription
 from moriio_ray.config import PipelineConfig
 from moriio_ray.engine.outputs import PromptLogprobs
 from moriio_ray.errors import PeerLost
-from moriio_ray.runtime.deadline import deadline
-from moriio_ray.runtime.detached import send
-from moriio_ray.runtime.messages import (
+from moriio_ray.protocol.deadline import deadline
+from moriio_ray.protocol.detached import send
+from moriio_ray.protocol.messages import (
     GenRequest,
     Handoff,
     Member,
@@ -41,8 +43,6 @@ from moriio_ray.runtime.messages import (
     RequestOutput,
     Timings,
 )
-from moriio_ray.runtime.router import Router
-from moriio_ray.runtime.streams import OutputStreams, Subscription
 
 log = logging.getLogger(__name__)
 

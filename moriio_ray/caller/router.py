@@ -10,7 +10,7 @@ import random
 from collections.abc import Iterable
 
 from moriio_ray.errors import CapacityError
-from moriio_ray.runtime.messages import Member, Membership
+from moriio_ray.protocol.messages import Member, Membership
 
 
 class Router:

@@ -27,20 +27,20 @@ import msgspec
 import ray
 
 from moriio_ray import env, metrics
+from moriio_ray.caller.bgloop import BackgroundLoop
+from moriio_ray.caller.detok import IncrementalText
+from moriio_ray.caller.flows import Flows, FlowState
+from moriio_ray.caller.results import GenerationResult, StreamEvent
+from moriio_ray.caller.router import Router
+from moriio_ray.caller.streams import OutputStreams
+from moriio_ray.caller.validate import check_request
 from moriio_ray.config import PipelineConfig, load_config, parse_pipeline_config
+from moriio_ray.coordinator import actor as coord
 from moriio_ray.engine.sampling import MAX_TOKENS_CAP, SamplingParams
 from moriio_ray.engine.tokenizer import load_tokenizer
 from moriio_ray.errors import ConfigError, InvalidRequest
-from moriio_ray.runtime import coordinator as coord
-from moriio_ray.runtime.bgloop import BackgroundLoop
-from moriio_ray.runtime.deadline import deadline
-from moriio_ray.runtime.detok import IncrementalText
-from moriio_ray.runtime.flows import Flows, FlowState
-from moriio_ray.runtime.messages import GenRequest, Timings
-from moriio_ray.runtime.results import GenerationResult, StreamEvent
-from moriio_ray.runtime.router import Router
-from moriio_ray.runtime.streams import OutputStreams
-from moriio_ray.runtime.validate import check_request
+from moriio_ray.protocol.deadline import deadline
+from moriio_ray.protocol.messages import GenRequest, Timings
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from moriio_ray.engine.outputs import PromptLogprobs
-from moriio_ray.runtime.messages import Timings
+from moriio_ray.protocol.messages import Timings
 
 
 class StreamEvent(msgspec.Struct, kw_only=True):
