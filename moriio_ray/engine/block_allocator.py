@@ -57,11 +57,8 @@ class BlockAllocator:
     def num_leased(self) -> int:
         return self._num_leased
 
-    @property
-    def num_leases(self) -> int:
-        return len(self._leases)
-
     def ref_count(self, block_id: int) -> int:
+        # (read by tests/unit/test_kv_cache.py: a shared block's count is the sharing's observable)
         return self._refs[block_id]
 
     # -- blocks -------------------------------------------------------------------------------

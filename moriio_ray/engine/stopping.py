@@ -27,9 +27,3 @@ def _tail_has_stop(output_ids: list[int], stop: list[str], tokenizer: Tokenizer)
     window = 4 * max(len(s.encode()) for s in stop) + 8
     text = tokenizer.decode(output_ids[-window:])
     return any(s in text for s in stop)
-
-
-def truncate_at_stop(text: str, stop: list[str]) -> str:
-    """``text`` up to (not including) the earliest occurrence of any stop string."""
-    cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=len(text))
-    return text[:cut]

@@ -54,10 +54,6 @@ class WorkerInfo(msgspec.Struct, frozen=True, kw_only=True):
     same_host_only: bool
     ranks: list[RankDesc] = msgspec.field(default_factory=list)
 
-    @property
-    def pid(self) -> int:
-        return self.engine_desc.pid
-
     def rank_descs(self) -> list[RankDesc]:
         """Every rank's descriptors (one entry, rank 0, at TP = 1)."""
         if self.ranks:

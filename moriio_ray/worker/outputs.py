@@ -92,6 +92,3 @@ class OutputHub:
                 found.append(caller)
             del self._boxes[caller]
         return found
-
-    def drop(self, caller: str) -> None:
-        self._boxes.pop(caller, None)

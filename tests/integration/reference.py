@@ -22,3 +22,10 @@ def colocated_tokens(prompts: list[list[int]], params: SamplingParams) -> list[l
         for step in engine.step():
             out[step.request_id].extend(step.new_token_ids)
     return [out[str(i)] for i in range(len(prompts))]
+
+
+def truncate_at_stop(text: str, stop: list[str]) -> str:
+    """``text`` up to (not including) the earliest occurrence of any stop string (what a reply
+    with stop strings must hold)."""
+    cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=len(text))
+    return text[:cut]

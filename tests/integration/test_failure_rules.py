@@ -17,11 +17,11 @@ import ray
 
 from moriio_ray import PDPipeline, SamplingParams
 from moriio_ray.config import TransferConfig
-from moriio_ray.engine.stopping import truncate_at_stop
 from moriio_ray.errors import CapacityError, DeadlineExceeded, EngineFailed, MoriioRayError, TokenRejected
 from moriio_ray.transfer import create_agent
 from tests.faults import delay_transfers
 from tests.integration.helpers import assert_no_leaks, tiny_config, varied_prompts, wait_until
+from tests.integration.reference import truncate_at_stop
 from tests.integration.rules import actor, deaths, epoch, one_request, reference, run_streams, wait_replaced
 from tests.worker_faults import (
     DEVICE_ERROR,

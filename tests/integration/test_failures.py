@@ -74,7 +74,7 @@ def test_decode_worker_killed_mid_stream(mode: str, on_failure: str) -> None:
     victim = f"{name}-decode-0"
     try:
         member = _member(pipe, victim)
-        actor, victim_pid = member.actor, ray.get(member.info_ref).pid
+        actor, victim_pid = member.actor, ray.get(member.info_ref).engine_desc.pid
         out = pipe._sync(_run_until(pipe, LONG, 8, 5, lambda: ray.kill(actor, no_restart=True)))
         on_victim = [s for s in out["seen"].values() if victim in s["decode"]]
         others = [s for s in out["seen"].values() if victim not in s["decode"]]

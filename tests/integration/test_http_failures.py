@@ -21,7 +21,6 @@ import ray
 
 from moriio_ray import SamplingParams
 from moriio_ray.config import ServeConfig
-from moriio_ray.engine.stopping import truncate_at_stop
 from moriio_ray.engine.tokenizer import load_tokenizer
 from moriio_ray.serve.process import free_port
 from moriio_ray.worker.outputs import CALLER_GRACE_S, STREAM_PERIOD_S
@@ -29,6 +28,7 @@ from tests.e2e.serving import missing_metrics, readme_metrics
 from tests.faults import delay_transfers
 from tests.integration.helpers import tiny_config, varied_prompts, wait_until
 from tests.integration.http_rules import Pool, Streams, post, wait_health
+from tests.integration.reference import truncate_at_stop
 from tests.integration.rules import reference
 from tests.worker_faults import fail_next_step, live_callers, slow_steps
 

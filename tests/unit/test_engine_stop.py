@@ -9,7 +9,7 @@ from engine_helpers import run_to_end, tiny_engine
 from moriio_ray.engine.batch import Batch
 from moriio_ray.engine.sampling import SamplingParams
 from moriio_ray.engine.sequence import Sequence
-from moriio_ray.engine.stopping import truncate_at_stop
+from tests.integration.reference import truncate_at_stop
 
 PROMPT = [72, 101, 108, 108, 111, 44, 32]  # "Hello, "
 
