@@ -30,7 +30,6 @@ import ray
 from moriio_ray.caller.router import Router
 from moriio_ray.caller.streams import OutputStreams, Subscription
 from moriio_ray.config import PipelineConfig
-from moriio_ray.engine.outputs import PromptLogprobs
 from moriio_ray.errors import PeerLost
 from moriio_ray.protocol.deadline import deadline
 from moriio_ray.protocol.detached import send
@@ -45,21 +44,6 @@ from moriio_ray.protocol.messages import (
 )
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class TokenChunk:
-    """New tokens of one request, as the flows hand them to the pipeline."""
-
-    token_ids: list[int]
-    logprobs: list[float] | None = None
-    finish_reason: str | None = None
-    top_logprobs: list[list[tuple[int, float]]] | None = None  # per token, its alternatives
-    prompt_logprobs: PromptLogprobs | None = None  # with the first token, when asked for
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
 
 
 @dataclass
@@ -87,7 +71,7 @@ class Flows:
 
     async def run(
         self, req: GenRequest, state: FlowState, streams: OutputStreams
-    ) -> AsyncGenerator[TokenChunk, None]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Stream the request's chunks; the first chunk holds the first token."""
         budget = req.params.max_tokens
         attempt = req
@@ -128,7 +112,7 @@ class Flows:
 
     async def _colocated(
         self, req: GenRequest, state: FlowState, streams: OutputStreams
-    ) -> AsyncGenerator[TokenChunk, None]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         c = self.router.pick("colocated", exclude=state.dead)
         state.decode_key = c.key
         cost = len(req.prompt_token_ids) + req.params.max_tokens
@@ -157,7 +141,7 @@ class Flows:
 
     async def _disaggregated(
         self, req: GenRequest, state: FlowState, streams: OutputStreams
-    ) -> AsyncGenerator[TokenChunk, None]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         rid = req.request_id
         read = self.config.mode == "read"
         # 1. Pick D (READ: P first, then a D that can reach it) and subscribe to its stream.
@@ -198,12 +182,13 @@ class Flows:
             # 3. The first token, from P's result.
             done = result.finish_reason is not None
             first_top = [result.first_top_logprobs] if result.first_top_logprobs is not None else None
-            yield TokenChunk(
+            yield RequestOutput(
+                rid,
                 [result.first_token],
                 _lp(result.first_logprob),
                 result.finish_reason,
-                first_top,
-                result.prompt_logprobs,
+                top_logprobs=first_top,
+                prompt_logprobs=result.prompt_logprobs,
             )
             if done:
                 return
@@ -270,7 +255,7 @@ class Flows:
 
     async def _stream(
         self, worker: Member, sub: Subscription, state: FlowState
-    ) -> AsyncGenerator[TokenChunk, None]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """The request's chunks from ``worker``'s stream: every output that arrived, merged."""
         try:
             while True:
@@ -291,27 +276,24 @@ class Flows:
         self.coordinator.report_failure.remote(member.key, member.epoch)
 
 
-def _merge(items: list[RequestOutput]) -> TokenChunk:
-    """One chunk from consecutive outputs of a request; an error output raises its typed error."""
-    if len(items) == 1:
-        item = items[0]
-        item.raise_error()
-        return TokenChunk(
-            item.token_ids, item.logprobs, item.finish_reason, item.top_logprobs, item.prompt_logprobs
-        )
-    chunk = TokenChunk([])
+def _merge(items: list[RequestOutput]) -> RequestOutput:
+    """One output from consecutive outputs of a request; an error output raises its typed error."""
     for item in items:
         item.raise_error()
-        chunk.token_ids.extend(item.token_ids)
-        if item.logprobs is not None:
-            chunk.logprobs = [*(chunk.logprobs or []), *item.logprobs]
-        if item.top_logprobs is not None:
-            chunk.top_logprobs = [*(chunk.top_logprobs or []), *item.top_logprobs]
-        chunk.prompt_logprobs = chunk.prompt_logprobs or item.prompt_logprobs
-        chunk.finish_reason = item.finish_reason
         if item.finished:
+            items = items[: items.index(item) + 1]
             break
-    return chunk
+    if len(items) == 1:
+        return items[0]
+    last = items[-1]
+    merged = RequestOutput(last.request_id, [t for item in items for t in item.token_ids])
+    if any(item.logprobs is not None for item in items):
+        merged.logprobs = [v for item in items for v in item.logprobs or ()]
+    if any(item.top_logprobs is not None for item in items):
+        merged.top_logprobs = [v for item in items for v in item.top_logprobs or ()]
+    merged.prompt_logprobs = next((i.prompt_logprobs for i in items if i.prompt_logprobs), None)
+    merged.finish_reason = last.finish_reason
+    return merged
 
 
 def _ref(member: Member) -> PeerRef:

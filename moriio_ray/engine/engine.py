@@ -28,29 +28,27 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import msgspec
 import torch
 
 from moriio_ray.config import EngineConfig, ModelConfig
-from moriio_ray.engine.admission import check_request, new_sequence, request_error
-from moriio_ray.engine.batch import PrefillChunk
+from moriio_ray.engine.admission import check_request, new_sequence
 from moriio_ray.engine.block_allocator import BlockAllocator
 from moriio_ray.engine.grammar import Constraints
 from moriio_ray.engine.outputs import PromptLogprobs, StepOutput
+from moriio_ray.engine.pd_role import LayerHook, PDRole
 from moriio_ray.engine.rank import build_rank
 from moriio_ray.engine.sampling import SamplingParams
 from moriio_ray.engine.scheduler import Scheduler
-from moriio_ray.engine.sequence import SeqState, Sequence, blocks_for
+from moriio_ray.engine.sequence import SeqState, Sequence
 from moriio_ray.engine.stepping import InFlight, TopLogprobs, failure_output, launch, prefill_result
 from moriio_ray.engine.stopping import check_stop
 from moriio_ray.engine.tokenizer import load_tokenizer
 from moriio_ray.engine.tp import SINGLE, TPGroup
 from moriio_ray.engine.tp_steps import Kind, StepChannel, StepMsg, encode_batch
-from moriio_ray.errors import ConfigError, InvalidRequest
+from moriio_ray.errors import ConfigError
 
 if TYPE_CHECKING:
     from moriio_ray.transfer.base import TransferAgent
@@ -58,7 +56,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 ROLES = ("prefill", "decode", "colocated")
-LayerHook = Callable[[int, list[PrefillChunk]], None]
 
 
 def _prompt_logprobs(seq: Sequence) -> PromptLogprobs | None:
@@ -67,7 +64,7 @@ def _prompt_logprobs(seq: Sequence) -> PromptLogprobs | None:
     return PromptLogprobs([lp for lp, _ in seq.prompt_logprobs], [top for _, top in seq.prompt_logprobs])
 
 
-class Engine:
+class Engine(PDRole):
     """A Llama/Qwen-family engine over a paged KV cache (see the module docstring for the roles)."""
 
     def __init__(
@@ -165,92 +162,6 @@ class Engine:
             seq = self._new_seq(request_id, prompt_token_ids, params, sample_offset)
             seq.lease_s = lease_s
             self.scheduler.add(seq)
-
-    def reserve(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        *,
-        sample_offset: int = 0,
-    ) -> list[int] | None:
-        """Decode role: blocks for a prompt whose KV a transfer writes in; None if short right now.
-        With prefix caching the first ``cached_blocks(request_id)`` of them already hold the
-        prompt's KV (cached here): a transfer fills only the rest.
-        With a step in flight (overlapped scheduling) it first waits until the device has run it."""
-        with self._lock:
-            if self.role == "prefill":
-                raise InvalidRequest("reserve: a prefill engine takes no injected KV; use a decode engine")
-            self._check_request(request_id, prompt_token_ids, params)
-            seq = new_sequence(request_id, prompt_token_ids, params, sample_offset, prefill_only=False)
-            # every full block of the prompt may be a hit: decoding writes from the prompt's end on
-            hits = self.scheduler.cached_prefix(seq, seq.num_prompt_tokens)
-            num_blocks = blocks_for(seq.num_prompt_tokens, self.block_size)
-            if not self.scheduler.fits(seq, hits, num_blocks):
-                return None
-            if self._in_flight is not None:  # a freed block may still be written by the device
-                self._in_flight.wait()
-            self._seqs[request_id] = seq
-            seq.state = SeqState.RESERVED
-            self.scheduler.take_blocks(seq, hits, num_blocks)
-            return list(seq.block_table)
-
-    def cached_blocks(self, request_id: str) -> int:
-        """Decode role: how many of a reservation's blocks (the first ones) held the prompt's KV
-        already, from this engine's prefix cache; a transfer need not fill them."""
-        with self._lock:
-            return self._reserved(request_id).num_hit_tokens // self.block_size
-
-    def _reserved(self, request_id: str) -> Sequence:
-        seq = self._seqs.get(request_id)
-        if seq is None or seq.state is not SeqState.RESERVED:
-            raise InvalidRequest(f"request_id: {request_id!r} holds no reservation; call reserve first")
-        return seq
-
-    def start_decode(self, request_id: str, first_token: int) -> None:
-        """Decode role: the reserved prompt's KV is in place; decode after ``first_token``.
-
-        The first token is recorded, not emitted (its sampler and caller have it already); the
-        following steps emit the tokens this engine samples.
-        """
-        with self._lock:
-            seq = self._join(request_id, first_token)
-            seq.num_cached = seq.num_prompt_tokens
-            self.scheduler.register_computed(seq)  # the transfer has filled the prompt's blocks
-            self._schedule_or_finish(seq)
-
-    def recompute_reserved(self, request_id: str, first_token: int) -> None:
-        """Decode role, the transfer failed: compute the prompt and ``first_token`` into the reserved
-        blocks here (chunked like any prefill), then decode on; as with ``start_decode``, nothing is
-        re-emitted."""
-        with self._lock:
-            seq = self._join(request_id, first_token)
-            # the next prefill feeds prompt + first token past the cached blocks, and samples the second
-            seq.num_cached = seq.num_hit_tokens
-            self._schedule_or_finish(seq)
-
-    def _join(self, request_id: str, first_token: int) -> Sequence:
-        seq = self._reserved(request_id)
-        is_int = isinstance(first_token, int) and not isinstance(first_token, bool)
-        if not is_int or not 0 <= first_token < self.args.vocab_size:
-            raise InvalidRequest(f"first_token: {first_token!r} is not a token id of this model")
-        seq.output_ids = [first_token]
-        return seq
-
-    def _schedule_or_finish(self, seq: Sequence) -> None:
-        try:
-            reason = check_stop(seq, self.tokenizer, self.max_model_len)
-        except Exception as exc:  # this request's stop rule failed: end it alone
-            self._drop(seq)
-            raise request_error(seq.request_id, exc) from exc
-        if reason is None:
-            self.scheduler.add(seq)
-            return
-        # the first token already ends it (the prefill engine reports that itself; kept for safety)
-        self._drop(seq)
-        self._pending.append(
-            StepOutput(request_id=seq.request_id, new_token_ids=[], finished=True, finish_reason=reason)
-        )
 
     # -- the step loop --------------------------------------------------------------------------
 
@@ -379,17 +290,6 @@ class Engine:
             if self._in_flight is not None:
                 self._in_flight.aborted.add(request_id)
 
-    def release(self, transfer_id: str) -> bool:
-        """Prefill role: a peer has read the blocks of ``transfer_id``; free them. False if unknown."""
-        with self._lock:
-            return self.allocator.release(transfer_id)
-
-    def sweep_leases(self, now_s: float | None = None) -> list[str]:
-        """Free leases whose deadline plus the grace period lies before ``now_s`` (monotonic clock)."""
-        with self._lock:
-            now = time.monotonic() if now_s is None else now_s
-            return self.allocator.sweep(now, self.lease_grace_s)
-
     # -- introspection --------------------------------------------------------------------------
 
     def stats(self) -> dict[str, int]:
@@ -415,24 +315,6 @@ class Engine:
                 "num_queried_tokens": self.scheduler.num_queried_tokens,
                 "num_hit_tokens": self.scheduler.num_hit_tokens,
             }
-
-    def set_layer_hook(self, hook: LayerHook | None) -> None:
-        """Call ``hook(layer, chunks)`` in each step that prefills, right after that layer's K/V are
-        written (queued on the device: on CUDA the engine does not synchronise; record an event).
-        ``chunks``: a ``PrefillChunk`` per prefill row, the prompt tokens that step computed."""
-        with self._lock:
-            self._layer_hook = hook
-
-    def prefill_blocks(self, request_id: str) -> list[int]:
-        """The block ids holding a request's prompt KV (leased, being prefilled, or reserved)."""
-        with self._lock:
-            lease = self.allocator.get_lease(request_id)
-            if lease is not None:
-                return list(lease.block_ids)
-            seq = self._seqs.get(request_id)
-            if seq is None or not seq.block_table:
-                raise InvalidRequest(f"request_id: {request_id!r} holds no blocks on this engine")
-            return seq.block_table[: blocks_for(seq.num_prompt_tokens, self.block_size)]
 
     def capture_graphs(self) -> int:
         """Capture every decode CUDA graph now (workers do, before serving); how many there are."""
