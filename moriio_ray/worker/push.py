@@ -27,7 +27,7 @@ from moriio_ray.transfer.base import TransferAgent
 from moriio_ray.transfer.desc import MemoryDesc
 from moriio_ray.transfer.handle import Transfer
 from moriio_ray.transfer.layout import KVLayout
-from moriio_ray.transfer.plan import plan_blocks, rank_pairs
+from moriio_ray.transfer.plan import TransferPlan, plan_blocks, rank_pairs
 
 
 def layer_stride_bytes(layout: KVLayout) -> int:
@@ -81,9 +81,8 @@ class LayerPusher:
         # set once the last layer of the last chunk is pushed (or a push failed): a rank other than
         # 0 may run its forward pass a little behind rank 0, which asks it to wait
         self.complete = threading.Event()
-        # the blocks of the chunk being pushed, and per target layer 0's (local, remote, sizes)
-        # and the remote layer stride
-        self._plans: tuple[tuple[int, int], list[tuple[np.ndarray, np.ndarray, np.ndarray, int]]] | None
+        # the blocks of the chunk being pushed, and per target layer 0's plan and the remote layer stride
+        self._plans: tuple[tuple[int, int], list[tuple[TransferPlan, int]]] | None
         self._plans = None
         self._local_stride = layer_stride_bytes(local_layout)
         self._lock = threading.Lock()  # on_layer (engine thread) against close (asyncio thread)
@@ -112,10 +111,9 @@ class LayerPusher:
                 if self._plans is None or self._plans[0] != (first, end):
                     self._plans = ((first, end), self._plan(local_blocks, first, end))
                 local_step = layer * self._local_stride
-                for target, (lo, ro, sz, remote_stride) in zip(self.targets, self._plans[1], strict=True):
-                    xfer = self.agent.write(
-                        self.local_mem, target.kv_mem, lo + local_step, ro + layer * remote_stride, sz
-                    )
+                for target, (plan, remote_stride) in zip(self.targets, self._plans[1], strict=True):
+                    layer_plan = plan.shifted(local_step, layer * remote_stride)
+                    xfer = self.agent.write(self.local_mem, target.kv_mem, layer_plan)
                     self.transfers.append(xfer)
                     self.num_bytes += xfer.num_bytes
                     self.num_segments += xfer.num_segments
@@ -126,9 +124,7 @@ class LayerPusher:
             self.error = exc
             self.complete.set()
 
-    def _plan(
-        self, local_blocks: list[int], first: int, end: int
-    ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray, int]]:
+    def _plan(self, local_blocks: list[int], first: int, end: int) -> list[tuple[TransferPlan, int]]:
         dest = self.dest_blocks
         if len(local_blocks) < len(dest):
             raise TransferError(
@@ -139,9 +135,7 @@ class LayerPusher:
             plan = plan_blocks(
                 local_blocks[first:end], dest[first:end], self.local_layout, target.layout, range(0, 1)
             )
-            plans.append(
-                (plan.local_offsets, plan.remote_offsets, plan.sizes, layer_stride_bytes(target.layout))
-            )
+            plans.append((plan, layer_stride_bytes(target.layout)))
         return plans
 
     def wait_all(self, timeout_s: float) -> None:

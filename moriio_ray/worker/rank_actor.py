@@ -22,9 +22,10 @@ from moriio_ray.engine.batch import PrefillChunk
 from moriio_ray.errors import InvalidRequest, MoriioRayError
 from moriio_ray.runtime.messages import RankDesc, Role
 from moriio_ray.transfer import create_agent
+from moriio_ray.transfer.plan import PullItem
 from moriio_ray.worker.push import LayerPusher, push_targets
 from moriio_ray.worker.ranks import end_process
-from moriio_ray.worker.tp_transfer import PullItem, issue_reads, wait_all
+from moriio_ray.worker.tp_transfer import issue_reads, wait_all
 
 log = logging.getLogger(__name__)
 

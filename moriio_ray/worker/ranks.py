@@ -20,7 +20,7 @@ from moriio_ray.config import PipelineConfig
 from moriio_ray.engine.tp import SINGLE, TPGroup, init_group
 from moriio_ray.runtime.deadline import deadline
 from moriio_ray.runtime.messages import RankDesc
-from moriio_ray.worker.tp_transfer import PullItem
+from moriio_ray.transfer.plan import PullItem
 
 log = logging.getLogger(__name__)
 
