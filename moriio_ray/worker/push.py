@@ -18,6 +18,7 @@ from __future__ import annotations
 import threading
 import time
 
+import msgspec
 import numpy as np
 
 from moriio_ray.engine.batch import PrefillChunk
@@ -35,6 +36,16 @@ def layer_stride_bytes(layout: KVLayout) -> int:
     one = np.ones(1, dtype=np.int64)
     zero = np.zeros(1, dtype=np.int64)
     return int(layout.segment_offsets(one, zero, zero)[0] - layout.segment_offsets(zero, zero, zero)[0])
+
+
+class PushOrder(msgspec.Struct, frozen=True):
+    """Rank 0's order to another P rank: push its KV heads of one prefill into D's reserved blocks."""
+
+    request_id: str
+    peer_ranks: list[RankDesc]  # D's ranks
+    dest_blocks: list[int]
+    last_push_unix: float | None  # no push starts after this
+    first_block: int = 0  # D holds the blocks before this one: they are never pushed
 
 
 def push_targets(local_layout: KVLayout, peer_ranks: list[RankDesc]) -> list[RankDesc]:
