@@ -18,6 +18,7 @@ import torch
 
 from moriio_ray.errors import TransferTimeout
 from moriio_ray.transfer.handle import FutureTransfer, Transfer
+from moriio_ray.transfer.plan import TransferPlan
 
 
 class DelayedTransfer(Transfer):
@@ -80,14 +81,12 @@ class LateWriteAgent:
     def __init__(self, inner: Any) -> None:
         self.inner = inner
         self.holding = True
-        self.held: list[tuple[FutureTransfer, Any, Any, Any, Any, Any]] = []
+        self.held: list[tuple[FutureTransfer, Any, Any, TransferPlan]] = []
 
-    def write(
-        self, local_mem: Any, remote_mem: Any, local_offsets: Any, remote_offsets: Any, sizes: Any
-    ) -> Transfer:
+    def write(self, local_mem: Any, remote_mem: Any, plan: TransferPlan) -> Transfer:
         if not self.holding:
-            return self.inner.write(local_mem, remote_mem, local_offsets, remote_offsets, sizes)
-        lo, ro, sz = (np.asarray(a, dtype=np.int64) for a in (local_offsets, remote_offsets, sizes))
+            return self.inner.write(local_mem, remote_mem, plan)
+        lo, ro, sz = plan.local_offsets, plan.remote_offsets, plan.sizes
         source = self.inner.local_tensor(local_mem).reshape(-1).view(torch.uint8)
         staging = self.inner.allocate((int(sz.sum()),), torch.uint8, "cpu")
         starts = np.concatenate([[0], np.cumsum(sz)[:-1]]).astype(np.int64)
@@ -95,15 +94,15 @@ class LateWriteAgent:
             staging[s : s + n] = source[o : o + n]
         mem = self.inner.register(staging)
         xfer = FutureTransfer(int(sz.sum()), len(sz), remote_mem.engine_key)
-        self.held.append((xfer, mem, remote_mem, starts, ro, sz))
+        self.held.append((xfer, mem, remote_mem, TransferPlan(starts, ro, sz)))
         return xfer
 
     def release(self) -> int:
         """Land every held write now; how many there were."""
         held, self.held = self.held, []
-        for xfer, mem, remote_mem, starts, ro, sz in held:
+        for xfer, mem, remote_mem, plan in held:
             try:
-                self.inner.write(mem, remote_mem, starts, ro, sz).wait(10.0)
+                self.inner.write(mem, remote_mem, plan).wait(10.0)
                 xfer.set_done()
             except Exception as exc:  # the peer is gone: the write fails as a real one would
                 xfer.set_error(exc)

@@ -76,11 +76,11 @@ def create_agent(
 
 
 def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'moriio_ray.transfer' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
+    try:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    except KeyError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    globals()[name] = value  # imported once: later lookups find it without this hook
     return value
 
 

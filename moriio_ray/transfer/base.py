@@ -2,23 +2,21 @@
 
 The shape follows ``mori.io.IOEngine``: allocate and register memory, publish an ``EngineDesc``,
 connect to peers by descriptor, then move many segments one-sidedly with ``read``/``write`` that
-return a ``Transfer`` handle at once. Offsets and sizes are 1-D int64 numpy arrays, in bytes.
+return a ``Transfer`` handle at once. The segments are one ``TransferPlan`` (``plan.py``).
 """
 
 from __future__ import annotations
 
 import abc
 import threading
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple, TypeVar
 
-import numpy as np
 import torch
 
 from moriio_ray.errors import (
     ConfigError,
     IncompatiblePeer,
     PeerLost,
-    SegmentOutOfBounds,
     StaleDescriptor,
     TransferError,
 )
@@ -32,64 +30,41 @@ from moriio_ray.transfer.desc import (
     encode_desc,
 )
 from moriio_ray.transfer.handle import FutureTransfer, Transfer
+from moriio_ray.transfer.plan import TransferPlan
 
 __all__ = [
     "SCHEMA_VERSION",
     "EngineDesc",
     "FutureTransfer",
+    "Local",
     "MemoryDesc",
     "Transfer",
     "TransferAgent",
-    "as_segments",
-    "check_bounds",
+    "TransferPlan",
+    "connected",
     "decode_engine_desc",
     "decode_memory_desc",
     "encode_desc",
 ]
 
-# ----------------------------------------------------------------------------------------------
-# Segment checks
+After = torch.cuda.Event | torch.cuda.Stream | None
+T = TypeVar("T")
 
 
-def as_segments(
-    local_offsets: Any, remote_offsets: Any, sizes: Any
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Validate and return the three arrays as contiguous 1-D int64 numpy arrays."""
-    arrays = []
-    for name, value in (
-        ("local_offsets", local_offsets),
-        ("remote_offsets", remote_offsets),
-        ("sizes", sizes),
-    ):
-        arr = np.ascontiguousarray(np.asarray(value))
-        if arr.ndim != 1:
-            raise ConfigError(f"{name}: expected a 1-D array, got shape {arr.shape}")
-        if arr.size and arr.dtype.kind not in "iu":
-            raise ConfigError(f"{name}: expected integers, got dtype {arr.dtype}")
-        arrays.append(arr.astype(np.int64, copy=False))
-    lo, ro, sz = arrays
-    if not lo.size == ro.size == sz.size:
-        raise ConfigError(
-            f"sizes: local_offsets, remote_offsets and sizes differ in length "
-            f"({lo.size}, {ro.size}, {sz.size})"
-        )
-    return lo, ro, sz
+class Local(NamedTuple):
+    """The local side of one transfer: a region as this agent's own table registered it."""
+
+    mem: MemoryDesc
+    tensor: torch.Tensor
+    after: After = None  # the copy starts after this CUDA event or stream (backends with ``orders_after``)
 
 
-def check_bounds(offsets: np.ndarray, sizes: np.ndarray, region_bytes: int, side: str, what: str) -> None:
-    """Raise SegmentOutOfBounds naming the first segment outside ``[0, region_bytes)``."""
-    if offsets.size == 0:
-        return
-    # four reductions on the hot path; the mask below only runs to name a bad segment
-    if offsets.min() >= 0 and sizes.min() > 0 and int((offsets + sizes).max()) <= region_bytes:
-        return
-    bad = (offsets < 0) | (sizes <= 0) | (offsets + sizes > region_bytes)
-    if bad.any():
-        i = int(np.argmax(bad))
-        raise SegmentOutOfBounds(
-            f"segment {i}: {side} offset {int(offsets[i])} + size {int(sizes[i])} is outside "
-            f"{what} ({region_bytes} bytes)"
-        )
+def connected(peers: dict[str, T], key: str) -> T:
+    """What a table keeps for the connected peer ``key``; PeerLost once it was disconnected."""
+    state = peers.get(key)
+    if state is None:
+        raise PeerLost(f"peer {key!r} is not connected (or was disconnected)")
+    return state
 
 
 # ----------------------------------------------------------------------------------------------
@@ -104,8 +79,11 @@ class TransferAgent(abc.ABC):
       into a ``MemoryDesc`` that peers use to address it.
     - ``connect(desc)`` is idempotent; it refuses another backend or schema, and a descriptor from
       an older epoch than one already connected for that key (``StaleDescriptor``).
-    - ``read``/``write`` never block on the data: they check bounds on this side, issue the whole
-      batch and return a ``Transfer``. A backend with a server checks bounds there as well.
+    - ``read``/``write`` never block on the data: they check the plan's bounds once per side, issue
+      the whole batch and return a ``Transfer``. The local side is checked against this agent's
+      table; the remote side against the owner's table where the backend reaches it at issue
+      (``checks_remote_bounds``), else against the descriptor. A tcp server checks its own side too.
+    - ``after=`` (a CUDA event or stream) starts the copy after it, on backends with ``orders_after``.
     - ``disconnect(key)`` drops the peer and fails its in-flight transfers with ``PeerLost``.
     - ``close`` releases every resource (sockets, shared memory, IPC handles).
     """
@@ -115,6 +93,8 @@ class TransferAgent(abc.ABC):
     supports_write: ClassVar[bool] = True
     same_host_only: ClassVar[bool] = False
     memory_kinds: ClassVar[frozenset[str]] = frozenset({"cpu"})
+    checks_remote_bounds: ClassVar[bool] = False  # ``_transfer`` checks the owner's table at issue
+    orders_after: ClassVar[bool] = False  # ``_transfer`` honours ``Local.after``
 
     def __init__(self, config: Any, key: str, *, epoch: int = 1, token: bytes | None = None) -> None:
         from moriio_ray import env
@@ -124,8 +104,7 @@ class TransferAgent(abc.ABC):
         self.epoch = epoch
         self.token = token if token is not None else env.cluster_token()
         self._lock = threading.RLock()
-        self._regions: dict[int, torch.Tensor] = {}
-        self._mems: dict[int, MemoryDesc] = {}
+        self._regions: dict[int, Local] = {}
         self._next_mem_id = 1
         self._peers: dict[str, EngineDesc] = {}
         self._closed = False
@@ -160,27 +139,28 @@ class TransferAgent(abc.ABC):
                 device=str(tensor.device),
                 backend_data=backend_data,
             )
-            self._regions[mem_id] = tensor
-            self._mems[mem_id] = desc
+            self._regions[mem_id] = Local(desc, tensor)
             return desc
 
     def deregister(self, mem: MemoryDesc) -> None:
         with self._lock:
             if self._regions.pop(mem.mem_id, None) is not None:
-                self._mems.pop(mem.mem_id, None)
                 self._deregister(mem.mem_id)
 
     def local_tensor(self, mem: MemoryDesc) -> torch.Tensor:
         """The tensor behind one of this agent's own descriptors."""
+        return self._registered(mem).tensor
+
+    def _registered(self, mem: MemoryDesc) -> Local:
         if mem.engine_key != self.key or mem.epoch != self.epoch:
             raise ConfigError(
                 f"local_mem: descriptor of {mem.engine_key!r} epoch {mem.epoch} is not this "
                 f"agent's ({self.key!r} epoch {self.epoch})"
             )
-        tensor = self._regions.get(mem.mem_id)
-        if tensor is None:
+        local = self._regions.get(mem.mem_id)
+        if local is None:
             raise ConfigError(f"local_mem: region {mem.mem_id} is not registered (or was deregistered)")
-        return tensor
+        return local
 
     # -- peers ----------------------------------------------------------------------------------
 
@@ -242,56 +222,43 @@ class TransferAgent(abc.ABC):
     # -- transfers ------------------------------------------------------------------------------
 
     def read(
-        self,
-        local_mem: MemoryDesc,
-        remote_mem: MemoryDesc,
-        local_offsets: Any,
-        remote_offsets: Any,
-        sizes: Any,
+        self, local_mem: MemoryDesc, remote_mem: MemoryDesc, plan: TransferPlan, *, after: After = None
     ) -> Transfer:
-        """Pull ``remote[remote_offsets[i]:+sizes[i]]`` into ``local[local_offsets[i]:...]`` for all i."""
-        if not self.supports_read:
-            raise ConfigError(f"backend: {self.name!r} does not support read; use mode write")
-        return self._issue("read", local_mem, remote_mem, local_offsets, remote_offsets, sizes)
+        """Pull ``remote[plan.remote_offsets[i]:+sizes[i]]`` into ``local[plan.local_offsets[i]:...]``."""
+        return self._issue("read", local_mem, remote_mem, plan, after)
 
     def write(
-        self,
-        local_mem: MemoryDesc,
-        remote_mem: MemoryDesc,
-        local_offsets: Any,
-        remote_offsets: Any,
-        sizes: Any,
+        self, local_mem: MemoryDesc, remote_mem: MemoryDesc, plan: TransferPlan, *, after: After = None
     ) -> Transfer:
-        """Push ``local[local_offsets[i]:+sizes[i]]`` into ``remote[remote_offsets[i]:...]`` for all i."""
-        if not self.supports_write:
-            raise ConfigError(f"backend: {self.name!r} does not support write; use mode read")
-        return self._issue("write", local_mem, remote_mem, local_offsets, remote_offsets, sizes)
+        """Push ``local[plan.local_offsets[i]:+sizes[i]]`` into ``remote[plan.remote_offsets[i]:...]``."""
+        return self._issue("write", local_mem, remote_mem, plan, after)
 
     def _issue(
-        self,
-        op: str,
-        local_mem: MemoryDesc,
-        remote_mem: MemoryDesc,
-        local_offsets: Any,
-        remote_offsets: Any,
-        sizes: Any,
+        self, op: str, local_mem: MemoryDesc, remote_mem: MemoryDesc, plan: TransferPlan, after: After
     ) -> Transfer:
+        if not (self.supports_read if op == "read" else self.supports_write):
+            other = "write" if op == "read" else "read"
+            raise ConfigError(f"backend: {self.name!r} does not support {op}; use mode {other}")
+        if after is not None and not self.orders_after:
+            raise ConfigError(
+                f"after: backend {self.name!r} cannot order a copy after a CUDA event or stream"
+            )
         if self._closed:
             raise TransferError(f"agent {self.key!r} is closed")
-        lo, ro, sz = as_segments(local_offsets, remote_offsets, sizes)
-        local = self.local_tensor(local_mem)
+        local = self._registered(local_mem)
         peer = self._peer_for(remote_mem)
-        check_bounds(lo, sz, local_mem.num_bytes, "local", f"local region {local_mem.mem_id} of {self.key!r}")
-        check_bounds(
-            ro, sz, remote_mem.num_bytes, "remote", f"region {remote_mem.mem_id} of {remote_mem.engine_key!r}"
-        )
-        return self._transfer(op, local, local_mem, peer, remote_mem, lo, ro, sz)
+        plan.check_local(local.mem.num_bytes, f"local region {local_mem.mem_id} of {self.key!r}")
+        if not self.checks_remote_bounds:
+            plan.check_remote(
+                remote_mem.num_bytes, f"region {remote_mem.mem_id} of {remote_mem.engine_key!r}"
+            )
+        if after is not None:
+            local = local._replace(after=after)
+        return self._transfer(op, local, peer, remote_mem, plan)
 
     def _peer_for(self, remote_mem: MemoryDesc) -> EngineDesc:
         with self._lock:
-            peer = self._peers.get(remote_mem.engine_key)
-        if peer is None:
-            raise PeerLost(f"peer {remote_mem.engine_key!r} is not connected (or was disconnected)")
+            peer = connected(self._peers, remote_mem.engine_key)
         if remote_mem.epoch != peer.epoch:
             raise StaleDescriptor(
                 f"region {remote_mem.mem_id} of {remote_mem.engine_key!r} comes from epoch "
@@ -315,7 +282,6 @@ class TransferAgent(abc.ABC):
                 self.disconnect(key)
             for mem_id in list(self._regions):
                 self._regions.pop(mem_id)
-                self._mems.pop(mem_id, None)
                 self._deregister(mem_id)
             self._close()
 
@@ -366,14 +332,6 @@ class TransferAgent(abc.ABC):
 
     @abc.abstractmethod
     def _transfer(
-        self,
-        op: str,
-        local: torch.Tensor,
-        local_mem: MemoryDesc,
-        peer: EngineDesc,
-        remote_mem: MemoryDesc,
-        local_offsets: np.ndarray,
-        remote_offsets: np.ndarray,
-        sizes: np.ndarray,
+        self, op: str, local: Local, peer: EngineDesc, remote_mem: MemoryDesc, plan: TransferPlan
     ) -> Transfer:
-        """Issue one batched read (``op == 'read'``) or write; bounds are already checked here."""
+        """Issue one batched read (``op == 'read'``) or write of ``plan``; its local side is checked."""

@@ -17,6 +17,7 @@ import ctypes
 import numpy as np
 
 from moriio_ray.transfer import cuda_driver as drv
+from moriio_ray.transfer.plan import Copy
 
 BATCH_V2, BATCH_V1, PER_SEGMENT = "batch_v2", "batch_v1", "per_segment"
 
@@ -54,24 +55,17 @@ class CopyEngine:
         self._dsts = np.empty(cap, dtype=np.int64)
         self._srcs_ptr, self._dsts_ptr = self._srcs.ctypes.data, self._dsts.ctypes.data
 
-    def copy(
-        self,
-        src_ptr: int,
-        dst_ptr: int,
-        src_offsets: np.ndarray,
-        dst_offsets: np.ndarray,
-        sizes: np.ndarray,
-        stream: int,
-    ) -> None:
+    def copy(self, src_ptr: int, dst_ptr: int, copy: Copy, stream: int) -> None:
         """Enqueue ``dst_ptr + dst_offsets[i] <- src_ptr + src_offsets[i]`` for all i on ``stream``."""
+        sizes = copy.sizes
         n = int(sizes.size)
         if self.mode == PER_SEGMENT:
-            self.copy_each(src_ptr, dst_ptr, src_offsets, dst_offsets, sizes, stream)
+            self.copy_each(src_ptr, dst_ptr, copy, stream)
             return
         if n > self._srcs.size:
             self._grow(n)
-        np.add(src_offsets, src_ptr, out=self._srcs[:n])
-        np.add(dst_offsets, dst_ptr, out=self._dsts[:n])
+        np.add(copy.src_offsets, src_ptr, out=self._srcs[:n])
+        np.add(copy.dst_offsets, dst_ptr, out=self._dsts[:n])
         assert sizes.dtype == np.int64 and sizes.flags.c_contiguous  # read as size_t (all > 0)
         attrs, idx = ctypes.byref(self._attrs), self._attr_idx
         if self.mode == BATCH_V2:
@@ -86,22 +80,15 @@ class CopyEngine:
         if not self.reason:  # the first refusal: say why, and copy segment by segment from now on
             self.reason = f"{self.mode} refused: {drv.error_name(rc)} ({rc})"
             self.mode = PER_SEGMENT
-            self.copy_each(src_ptr, dst_ptr, src_offsets, dst_offsets, sizes, stream)
+            self.copy_each(src_ptr, dst_ptr, copy, stream)
             return
         drv.check(rc, self.mode)
 
     @staticmethod
-    def copy_each(
-        src_ptr: int,
-        dst_ptr: int,
-        src_offsets: np.ndarray,
-        dst_offsets: np.ndarray,
-        sizes: np.ndarray,
-        stream: int,
-    ) -> None:
+    def copy_each(src_ptr: int, dst_ptr: int, copy: Copy, stream: int) -> None:
         """One ``cuMemcpyAsync`` per segment."""
         f = drv.fn("cuMemcpyAsync")
-        for so, do, sz in zip(src_offsets.tolist(), dst_offsets.tolist(), sizes.tolist(), strict=True):
+        for so, do, sz in zip(*(a.tolist() for a in copy), strict=True):
             rc = f(dst_ptr + do, src_ptr + so, sz, stream)
             if rc != drv.CUDA_SUCCESS:
                 drv.check(rc, "cuMemcpyAsync")

@@ -167,10 +167,6 @@ def stream_wait(stream: int, event: RawEvent) -> None:
     check(fn("cuStreamWaitEvent")(stream, event.handle, 0), "cuStreamWaitEvent")
 
 
-def memcpy_async(dst: int, src: int, num_bytes: int, stream: int) -> None:
-    check(fn("cuMemcpyAsync")(dst, src, num_bytes, stream), "cuMemcpyAsync")
-
-
 def memcpy_htod_async(dst: int, src_host: int, num_bytes: int, stream: int) -> None:
     check(fn("cuMemcpyHtoDAsync_v2")(dst, src_host, num_bytes, stream), "cuMemcpyHtoDAsync")
 

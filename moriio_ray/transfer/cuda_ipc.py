@@ -15,8 +15,7 @@
 - **Completion.** A CUDA event recorded after the copy (``cuda_transfer.CudaTransfer``).
 - **Ordering with compute.** By default a copy starts after the work already queued on the
   caller's current stream of the local GPU. ``read``/``write`` take ``after=`` (a ``torch.cuda.Event``
-  or ``torch.cuda.Stream``) to start after that instead, e.g. WRITE mode pushes layer i with
-  ``agent.write(..., after=layer_done[i])``. The base signature without ``after`` works unchanged.
+  or ``torch.cuda.Stream``) to start after that instead, e.g. ``agent.write(..., after=layer_done[i])``.
 - **Ray.** Workers must see the host's GPUs: see ``cuda_devices.ray_actor_env``/``select_device``.
 
 CuPy and the CUDA driver are loaded only here, so only when cuda_ipc is chosen.
@@ -37,11 +36,12 @@ import torch
 
 from moriio_ray.errors import BackendUnavailable, ConfigError, PeerLost, StaleDescriptor
 from moriio_ray.transfer import cuda_driver, cuda_memory, cuda_methods
-from moriio_ray.transfer.base import EngineDesc, MemoryDesc, Transfer, TransferAgent, check_bounds
+from moriio_ray.transfer.base import EngineDesc, Local, MemoryDesc, Transfer, TransferAgent
 from moriio_ray.transfer.cuda_copy_engine import CopyEngine
 from moriio_ray.transfer.cuda_devices import device_uuids, enable_peer_access, index_of_uuid
 from moriio_ray.transfer.cuda_kernels import KernelVariant, SegmentCopier, cupy_module
 from moriio_ray.transfer.cuda_transfer import CudaTransfer, Event, pid_alive
+from moriio_ray.transfer.plan import Copy, TransferPlan
 
 _PROCESS_ID = uuid.uuid4().hex  # tells a same-process peer from a process that reuses a pid
 
@@ -93,6 +93,8 @@ class CudaIpcAgent(TransferAgent):
     name: ClassVar[str] = "cuda_ipc"
     same_host_only: ClassVar[bool] = True
     memory_kinds: ClassVar[frozenset[str]] = frozenset({"cuda"})
+    checks_remote_bounds: ClassVar[bool] = True  # against the peer's allocation as mapped here
+    orders_after: ClassVar[bool] = True
 
     def __init__(self, config: Any, key: str, *, epoch: int = 1, token: bytes | None = None) -> None:
         if not torch.cuda.is_available():
@@ -107,7 +109,6 @@ class CudaIpcAgent(TransferAgent):
         # (peer, epoch, mem_id, device) -> (address, registered bytes really mapped there)
         self._ptrs: dict[tuple[str, int, int, int], tuple[int, int]] = {}
         self._inflight: dict[str, collections.deque[CudaTransfer]] = {}
-        self._tls = threading.local()
         self._current_stream = _raw_stream_getter()
         # Benchmarks: give each Transfer a start event after its waits, so device time excludes them.
         self.time_transfers = False
@@ -210,53 +211,10 @@ class CudaIpcAgent(TransferAgent):
 
     # -- transfers ------------------------------------------------------------------------------
 
-    def read(
-        self,
-        local_mem: MemoryDesc,
-        remote_mem: MemoryDesc,
-        local_offsets: Any,
-        remote_offsets: Any,
-        sizes: Any,
-        *,
-        after: torch.cuda.Event | torch.cuda.Stream | None = None,
-    ) -> Transfer:
-        """Pull remote segments into local memory on the local GPU; ``after``: start after it."""
-        return self._after(after, super().read, local_mem, remote_mem, local_offsets, remote_offsets, sizes)
-
-    def write(
-        self,
-        local_mem: MemoryDesc,
-        remote_mem: MemoryDesc,
-        local_offsets: Any,
-        remote_offsets: Any,
-        sizes: Any,
-        *,
-        after: torch.cuda.Event | torch.cuda.Stream | None = None,
-    ) -> Transfer:
-        """Push local segments into remote memory from the local GPU; ``after``: start after it."""
-        return self._after(after, super().write, local_mem, remote_mem, local_offsets, remote_offsets, sizes)
-
-    def _after(self, after: torch.cuda.Event | torch.cuda.Stream | None, issue: Any, *args: Any) -> Transfer:
-        """Issue through the base class with ``after`` handed (per thread) to ``_transfer``."""
-        self._tls.after = after
-        try:
-            result: Transfer = issue(*args)
-            return result
-        finally:
-            self._tls.after = None
-
     def _transfer(
-        self,
-        op: str,
-        local: torch.Tensor,
-        local_mem: MemoryDesc,
-        peer: EngineDesc,
-        remote_mem: MemoryDesc,
-        local_offsets: np.ndarray,
-        remote_offsets: np.ndarray,
-        sizes: np.ndarray,
+        self, op: str, local: Local, peer: EngineDesc, remote_mem: MemoryDesc, plan: TransferPlan
     ) -> Transfer:
-        device = local.device
+        device = local.tensor.device
         assert device.index is not None
         if remote_mem.epoch != peer.epoch:  # also here: callers may reach _transfer directly
             raise StaleDescriptor(
@@ -266,23 +224,15 @@ class CudaIpcAgent(TransferAgent):
         if not self._peer_alive(peer.key, thorough=False):
             raise PeerLost(f"peer {peer.key!r} (pid {self._peer_info[peer.key].pid}) has exited")
         remote_ptr, real_bytes = self._remote_region(peer, remote_mem, device.index)
+        # the memory really mapped there, not what the descriptor claims (it may be forged or corrupt)
+        what = f"region {remote_mem.mem_id} of {peer.key!r} as registered"
         if remote_mem.num_bytes > real_bytes:
-            # The base class checked against the descriptor's size, which claims more than the peer
-            # registered (a forged or corrupt descriptor): check against the memory really there.
-            check_bounds(
-                remote_offsets,
-                sizes,
-                real_bytes,
-                "remote",
-                f"region {remote_mem.mem_id} of {peer.key!r} as registered (its descriptor claims "
-                f"{remote_mem.num_bytes})",
-            )
-        if op == "read":
-            src, dst, src_off, dst_off = remote_ptr, local.data_ptr(), remote_offsets, local_offsets
-        else:
-            src, dst, src_off, dst_off = local.data_ptr(), remote_ptr, local_offsets, remote_offsets
+            what += f" (its descriptor claims {remote_mem.num_bytes})"
+        plan.check_remote(real_bytes, what)
+        local_ptr = local.tensor.data_ptr()
+        src, dst = (remote_ptr, local_ptr) if op == "read" else (local_ptr, remote_ptr)
         cfg = self.config.cuda_ipc
-        seg = cuda_methods.describe(sizes)
+        seg = cuda_methods.describe(plan.sizes)
         method = cuda_methods.choose(
             cfg.method,
             seg,
@@ -290,7 +240,7 @@ class CudaIpcAgent(TransferAgent):
             copy_engine_segment_bytes=cfg.copy_engine_segment_bytes,
         )
         lane = self._lane(device)
-        after: torch.cuda.Event | torch.cuda.Stream | None = getattr(self._tls, "after", None)
+        after = local.after
         with lane.lock, cuda_driver.ContextGuard(lane.ctx):
             stream = lane.handle
             if after is None:  # after the work queued so far on the caller's current stream
@@ -304,7 +254,7 @@ class CudaIpcAgent(TransferAgent):
             if self.time_transfers:
                 start = torch.cuda.Event(enable_timing=True)
                 start.record(lane.stream)
-            self._enqueue(lane, method, src, dst, src_off, dst_off, sizes, seg)
+            self._enqueue(lane, method, src, dst, plan.copy_for(op), seg)
             event: Event
             if self.time_transfers:
                 timed = torch.cuda.Event(enable_timing=True)
@@ -327,22 +277,15 @@ class CudaIpcAgent(TransferAgent):
 
     @staticmethod
     def _enqueue(
-        lane: _Lane,
-        method: str,
-        src: int,
-        dst: int,
-        src_off: np.ndarray,
-        dst_off: np.ndarray,
-        sizes: np.ndarray,
-        seg: cuda_methods.Segments,
+        lane: _Lane, method: str, src: int, dst: int, copy: Copy, seg: cuda_methods.Segments
     ) -> None:
         """Put the copy on the lane's stream by ``method`` (the lane's lock and context are held)."""
         if method == cuda_methods.KERNEL:
-            lane.copier.copy(src, dst, src_off, dst_off, sizes, seg)
+            lane.copier.copy(src, dst, copy, seg)
         elif method == cuda_methods.COPY_ENGINE:
-            lane.engine.copy(src, dst, src_off, dst_off, sizes, lane.handle)
+            lane.engine.copy(src, dst, copy, lane.handle)
         elif method == cuda_methods.MEMCPY:
-            lane.engine.copy_each(src, dst, src_off, dst_off, sizes, lane.handle)
+            lane.engine.copy_each(src, dst, copy, lane.handle)
 
     def tune(
         self,

@@ -32,6 +32,7 @@ import torch
 from moriio_ray.errors import BackendUnavailable
 from moriio_ray.transfer import cuda_driver
 from moriio_ray.transfer.cuda_methods import Grid, Segments, describe, fill_meta, launch_grid, meta_entries
+from moriio_ray.transfer.plan import Copy
 
 _SOURCE = r"""
 typedef long long i64;
@@ -274,9 +275,7 @@ class SegmentCopier:
         self._argv = (c.c_void_p * len(self._args))(*[c.addressof(a) for a in self._args])
         self._launch = cuda_driver.fn("cuLaunchKernel")
 
-    def _stage(
-        self, src_offsets: np.ndarray, dst_offsets: np.ndarray, sizes: np.ndarray, seg: Segments
-    ) -> tuple[int, _Slot]:
+    def _stage(self, copy: Copy, seg: Segments) -> tuple[int, _Slot]:
         """Metadata into a ring slot (and up to the device unless ``meta_in_host``): its address, the slot."""
         slot = self._slots[self._next]
         self._next = (self._next + 1) % self.SLOTS
@@ -291,7 +290,7 @@ class SegmentCopier:
             with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
                 slot.dev = torch.empty(cap, dtype=torch.int64, device=self.device)
             slot.used = cuda_driver.RawEvent()
-        fill_meta(slot.host_view, src_offsets, dst_offsets, sizes, seg)
+        fill_meta(slot.host_view, copy.src_offsets, copy.dst_offsets, copy.sizes, seg)
         if self.variant.meta_in_host:
             return int(slot.host.data_ptr()), slot  # pinned memory is device-addressable (UVA)
         assert slot.dev is not None
@@ -299,19 +298,11 @@ class SegmentCopier:
         cuda_driver.memcpy_htod_async(dev_ptr, int(slot.host.data_ptr()), need * 8, self.stream_handle)
         return dev_ptr, slot
 
-    def copy(
-        self,
-        src_ptr: int,
-        dst_ptr: int,
-        src_offsets: np.ndarray,
-        dst_offsets: np.ndarray,
-        sizes: np.ndarray,
-        seg: Segments | None = None,
-    ) -> Grid:
+    def copy(self, src_ptr: int, dst_ptr: int, copy: Copy, seg: Segments | None = None) -> Grid:
         """Enqueue the copy of all segments on ``self.stream`` (one upload, one launch)."""
-        seg = seg or describe(sizes)
+        seg = seg or describe(copy.sizes)
         assert seg.num_segments > 0
-        meta_ptr, slot = self._stage(src_offsets, dst_offsets, sizes, seg)
+        meta_ptr, slot = self._stage(copy, seg)
         grid = launch_grid(seg, self.capacity, self.variant.chunk_bytes, self.max_ctas)
         values = [src_ptr, dst_ptr, meta_ptr, seg.num_segments, seg.total_bytes, grid.chunk_bytes]
         values += [grid.num_chunks, seg.uniform_bytes]

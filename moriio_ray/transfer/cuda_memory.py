@@ -9,10 +9,14 @@ process) cannot, and uses the exporter's pointer directly.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
 import msgspec
 import torch
 
-from moriio_ray.errors import ConfigError, IncompatiblePeer, TransferError
+from moriio_ray.errors import ConfigError, IncompatiblePeer, MoriioRayError, TransferError
 from moriio_ray.transfer import cuda_driver
 from moriio_ray.transfer.cuda_kernels import cupy_module
 
@@ -55,37 +59,43 @@ def allocate(num_bytes: int, device: torch.device) -> torch.Tensor:
     return tensor
 
 
+@contextlib.contextmanager
+def _runtime_on(device_index: int, error: type[MoriioRayError], message: str) -> Iterator[Any]:
+    """CuPy's CUDA runtime with ``device_index`` current; a runtime error raises ``error`` with
+    ``message``, its ``{cause}`` filled in."""
+    cp = cupy_module()
+    with cp.cuda.Device(device_index):
+        try:
+            yield cp.cuda.runtime
+        except cp.cuda.runtime.CUDARuntimeError as exc:
+            raise error(message.format(cause=exc)) from exc
+
+
 def export_region(tensor: torch.Tensor, device_uuid: str) -> CudaRegion:
     """The IPC description of a contiguous GPU tensor."""
-    cp = cupy_module()
     assert tensor.device.index is not None
     ptr = tensor.data_ptr()
     base, _ = allocation_range(ptr, tensor.device.index)
-    with cp.cuda.Device(tensor.device.index):
-        try:
-            handle = bytes(cp.cuda.runtime.ipcGetMemHandle(base))
-        except cp.cuda.runtime.CUDARuntimeError as exc:
-            raise ConfigError(
-                f"tensor: its memory cannot be exported through CUDA IPC ({exc}); allocate it with "
-                "agent.allocate (expandable segments and managed memory cannot be exported)"
-            ) from exc
+    why = (
+        "tensor: its memory cannot be exported through CUDA IPC ({cause}); allocate it with "
+        "agent.allocate (expandable segments and managed memory cannot be exported)"
+    )
+    with _runtime_on(tensor.device.index, ConfigError, why) as rt:
+        handle = bytes(rt.ipcGetMemHandle(base))
     num_bytes = tensor.numel() * tensor.element_size()
     return CudaRegion(handle=handle, offset=ptr - base, ptr=ptr, device_uuid=device_uuid, num_bytes=num_bytes)
 
 
 def open_handle(handle: bytes, device_index: int) -> tuple[int, int]:
     """Map a peer's allocation into this process for kernels on ``device_index``: (base, size)."""
-    cp = cupy_module()
-    with cp.cuda.Device(device_index):
-        try:
-            # default flags: cudaIpcMemLazyEnablePeerAccess, so a handle of another GPU works too
-            base = int(cp.cuda.runtime.ipcOpenMemHandle(handle))
-        except cp.cuda.runtime.CUDARuntimeError as exc:
-            raise IncompatiblePeer(
-                f"cannot open the peer's CUDA IPC handle ({exc}); the peer must run on this host with "
-                "its GPU visible here and P2P-reachable from GPU "
-                f"{device_index} (for Ray actors: runtime_env env_vars ray_actor_env())"
-            ) from exc
+    why = (
+        "cannot open the peer's CUDA IPC handle ({cause}); the peer must run on this host with its "
+        f"GPU visible here and P2P-reachable from GPU {device_index} (for Ray actors: "
+        "runtime_env env_vars ray_actor_env())"
+    )
+    with _runtime_on(device_index, IncompatiblePeer, why) as rt:
+        # default flags: cudaIpcMemLazyEnablePeerAccess, so a handle of another GPU works too
+        base = int(rt.ipcOpenMemHandle(handle))
     _, size = allocation_range(base, device_index)
     return base, size
 

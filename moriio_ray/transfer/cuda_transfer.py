@@ -9,7 +9,7 @@ from typing import Protocol
 
 import torch
 
-from moriio_ray.errors import PeerLost, TransferTimeout
+from moriio_ray.errors import PeerLost
 from moriio_ray.transfer.handle import Transfer
 
 # How often a waiting transfer asks whether its peer process still lives.
@@ -72,13 +72,6 @@ class CudaTransfer(Transfer):
         self._done = False  # the event was seen complete (it stays so)
         self.start_event: torch.cuda.Event | None = None  # set when the agent times transfers
 
-    def device_seconds(self) -> float:
-        """GPU time from the start of the copy (after its waits) to its end; needs ``time_transfers``."""
-        assert self.start_event is not None, "set agent.time_transfers = True before issuing"
-        assert isinstance(self.event, torch.cuda.Event)
-        self.event.synchronize()
-        return float(self.start_event.elapsed_time(self.event)) * 1e-3
-
     def _complete(self) -> bool:
         if not self._done and self.event.query():
             self._done = True
@@ -109,10 +102,8 @@ class CudaTransfer(Transfer):
                 return
             now = time.monotonic()
             if deadline is not None and now >= deadline:
-                raise TransferTimeout(
-                    f"transfer of {self.num_bytes} bytes in {self.num_segments} segments with "
-                    f"{self.peer_key!r} did not finish within {timeout_s} s; raise transfer.timeout_s "
-                    "or check what the copy stream waits on"
+                raise self.wait_timeout(
+                    timeout_s, "; raise transfer.timeout_s or check what the copy stream waits on"
                 )
             if now >= next_check:
                 next_check = now + LIVENESS_PERIOD_S

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import abc
 import threading
-import time
 
 from moriio_ray.errors import TransferTimeout
 
@@ -33,6 +32,13 @@ class Transfer(abc.ABC):
         """The failure, once done; None while running or after success."""
         return None
 
+    def wait_timeout(self, timeout_s: float | None, hint: str = "") -> TransferTimeout:
+        """The error of a ``wait`` that ended before the transfer did (``hint``: what to do)."""
+        return TransferTimeout(
+            f"transfer of {self.num_bytes} bytes in {self.num_segments} segments with {self.peer_key!r} "
+            f"did not finish within {timeout_s} s{hint}"
+        )
+
 
 class FutureTransfer(Transfer):
     """A transfer completed by some other thread through ``set_done``/``set_error``."""
@@ -41,20 +47,16 @@ class FutureTransfer(Transfer):
         self.num_bytes = num_bytes
         self.num_segments = num_segments
         self.peer_key = peer_key
-        self.started_s = time.perf_counter()
-        self.finished_s: float | None = None
         self._event = threading.Event()
         self._error: BaseException | None = None
 
     def set_done(self) -> None:
         if not self._event.is_set():
-            self.finished_s = time.perf_counter()
             self._event.set()
 
     def set_error(self, error: BaseException) -> None:
         if not self._event.is_set():
             self._error = error
-            self.finished_s = time.perf_counter()
             self._event.set()
 
     def done(self) -> bool:
@@ -65,14 +67,6 @@ class FutureTransfer(Transfer):
 
     def wait(self, timeout_s: float | None = None) -> None:
         if not self._event.wait(timeout_s):
-            raise TransferTimeout(
-                f"transfer of {self.num_bytes} bytes in {self.num_segments} segments with "
-                f"{self.peer_key!r} did not finish within {timeout_s} s"
-            )
+            raise self.wait_timeout(timeout_s)
         if self._error is not None:
             raise self._error
-
-    @property
-    def elapsed_s(self) -> float:
-        end = self.finished_s if self.finished_s is not None else time.perf_counter()
-        return end - self.started_s

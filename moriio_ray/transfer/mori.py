@@ -25,7 +25,6 @@ import threading
 import time
 from typing import Any, ClassVar
 
-import numpy as np
 import torch
 
 from moriio_ray.config import MoriConfig
@@ -36,7 +35,7 @@ from moriio_ray.errors import (
     StaleDescriptor,
     TransferError,
 )
-from moriio_ray.transfer.base import TransferAgent, check_bounds
+from moriio_ray.transfer.base import Local, TransferAgent
 from moriio_ray.transfer.desc import EngineDesc, MemoryDesc
 from moriio_ray.transfer.handle import FutureTransfer, Transfer
 from moriio_ray.transfer.mori_api import (
@@ -48,6 +47,7 @@ from moriio_ray.transfer.mori_api import (
     mori_engine_key,
 )
 from moriio_ray.transfer.mori_status import MoriTransfer, make_waiter, peer_failure_error
+from moriio_ray.transfer.plan import TransferPlan
 
 # (local mem_id, remote engine key, remote epoch, remote mem_id)
 SessionKey = tuple[int, str, int, int]
@@ -62,6 +62,7 @@ class MoriAgent(TransferAgent):
     name: ClassVar[str] = "mori"
     same_host_only: ClassVar[bool] = False  # rdma: any host; xgmi: refused across hosts in connect
     memory_kinds: ClassVar[frozenset[str]] = frozenset({"cuda"})  # ROCm torch calls HIP devices "cuda"
+    checks_remote_bounds: ClassVar[bool] = True  # against the size the owner registered with MoRI
 
     def __init__(self, config: Any, key: str, *, epoch: int = 1, token: bytes | None = None) -> None:
         super().__init__(config, key, epoch=epoch, token=token)
@@ -150,28 +151,20 @@ class MoriAgent(TransferAgent):
     # -- transfers ------------------------------------------------------------------------------
 
     def _transfer(
-        self,
-        op: str,
-        local: torch.Tensor,
-        local_mem: MemoryDesc,
-        peer: EngineDesc,
-        remote_mem: MemoryDesc,
-        local_offsets: np.ndarray,
-        remote_offsets: np.ndarray,
-        sizes: np.ndarray,
+        self, op: str, local: Local, peer: EngineDesc, remote_mem: MemoryDesc, plan: TransferPlan
     ) -> Transfer:
         if remote_mem.engine_key != peer.key or remote_mem.epoch != peer.epoch:
             raise StaleDescriptor(
                 f"region {remote_mem.mem_id} of {remote_mem.engine_key!r} epoch {remote_mem.epoch} is not a "
                 f"region of the connected peer {peer.key!r} epoch {peer.epoch}; fetch its current descriptors"
             )
-        if sizes.size == 0:  # MoRI would leave the status of an empty batch unset
+        if plan.num_segments == 0:  # MoRI would leave the status of an empty batch unset
             empty = FutureTransfer(0, 0, peer.key)
             empty.set_done()
             return empty
         transfer = MoriTransfer(
-            num_bytes=int(sizes.sum()),
-            num_segments=int(sizes.size),
+            num_bytes=plan.num_bytes,
+            num_segments=plan.num_segments,
             peer_key=peer.key,
             waiter=self._waiter,
             deadline_s=time.monotonic() + self.config.timeout_s,
@@ -179,33 +172,29 @@ class MoriAgent(TransferAgent):
         )
         with self._lock:
             self._live = [t for t in self._live if not t.statuses_terminal()]
-            session, remote_bytes = self._session(local_mem, remote_mem, peer)
-            # MoRI's own descriptor gives the size the peer really registered: check against it too,
-            # as a server would, in case the MemoryDesc we were handed claims more.
-            what = f"region {remote_mem.mem_id} of {peer.key!r} as registered with MoRI"
-            check_bounds(remote_offsets, sizes, remote_bytes, "remote", what)
-            issued_all = self._issue_segments(transfer, session, op, local_offsets, remote_offsets, sizes)
+            session, remote_bytes = self._session(local.mem, remote_mem, peer)
+            # the size the owner registered with MoRI, not the MemoryDesc's claim (which may be forged)
+            plan.check_remote(
+                remote_bytes, f"region {remote_mem.mem_id} of {peer.key!r} as registered with MoRI"
+            )
+            issued_all = self._issue_segments(transfer, session, op, plan)
             self._live.append(transfer)
         if issued_all:
             transfer.finish_issuing()
         return transfer
 
-    def _issue_segments(
-        self, transfer: MoriTransfer, session: Any, op: str, lo: np.ndarray, ro: np.ndarray, sz: np.ndarray
-    ) -> bool:
+    def _issue_segments(self, transfer: MoriTransfer, session: Any, op: str, plan: TransferPlan) -> bool:
         """Issue a transfer's segments (under the agent's lock); True when all of them are issued.
 
         The seam of the tests' holding double (tests/contract/hooks.py), which issues a first part
         here and the rest later, and then marks the transfer issued itself."""
-        self._issue_batch(transfer, session, op, lo, ro, sz)
+        self._issue_batch(transfer, session, op, plan)
         return True
 
     @staticmethod
-    def _issue_batch(
-        transfer: MoriTransfer, session: Any, op: str, lo: np.ndarray, ro: np.ndarray, sz: np.ndarray
-    ) -> None:
+    def _issue_batch(transfer: MoriTransfer, session: Any, op: str, plan: TransferPlan) -> None:
         # MoRI takes std::vector<size_t>: plain lists of ints, as vLLM's connector passes them.
-        lists = (lo.tolist(), ro.tolist(), sz.tolist())
+        lists = (plan.local_offsets.tolist(), plan.remote_offsets.tolist(), plan.sizes.tolist())
         issue = session.batch_read if op == "read" else session.batch_write
         status = issue(*lists, session.allocate_transfer_uid())
         transfer.add_batch(status, (session, *lists))
@@ -297,12 +286,6 @@ class MoriAgent(TransferAgent):
             if transfer.peer_key == peer_key:
                 transfer.fail(error)
         self._drop_sessions(peer_key)
-
-    def live_transfers(self) -> int:
-        """Transfers whose MoRI statuses are not terminal yet (kept alive by this agent)."""
-        with self._lock:
-            self._live = [t for t in self._live if not t.statuses_terminal()]
-            return len(self._live)
 
     def _close(self) -> None:
         # Sessions point at the engine: drop them first. Release the engine (its server port,

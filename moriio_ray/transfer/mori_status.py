@@ -213,11 +213,7 @@ class MoriTransfer(Transfer):
         while not self.done():
             now = time.monotonic()
             if caller_deadline_s is not None and now >= caller_deadline_s:
-                raise TransferTimeout(
-                    f"MoRI transfer of {self.num_bytes} bytes in {self.num_segments} segments with "
-                    f"{self.peer_key!r} did not finish within {timeout_s} s; it goes on until its "
-                    "deadline (transfer.timeout_s)"
-                )
+                raise self.wait_timeout(timeout_s, "; it goes on until its deadline (transfer.timeout_s)")
             end_s = self.deadline_s if caller_deadline_s is None else min(self.deadline_s, caller_deadline_s)
             slice_s = max(0.0, min(end_s - now, _WAIT_SLICE_S))
             if self._issued.is_set():

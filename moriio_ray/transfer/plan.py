@@ -1,5 +1,8 @@
 """Transfer plans: block ids on both sides -> one batch of coalesced (offset, offset, size) segments.
 
+``TransferPlan`` is the one segment type of the agent API (``agent.read(local_mem, remote_mem,
+plan)``): it is validated when it is built, and a backend checks its bounds once per side.
+
 Between tensor-parallel engines each cache holds a range of the model's KV heads (``KVLayout.heads``).
 A plan moves the heads both caches hold (their intersection): with equal ranges (P and D of one TP
 size, rank for rank) that is whole segments, coalesced into runs; otherwise, inside each block
@@ -10,22 +13,47 @@ says which (local rank, remote rank) pairs share heads: one plan, and one batche
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import msgspec
 import numpy as np
 
-from moriio_ray.errors import ConfigError
+from moriio_ray.errors import ConfigError, SegmentOutOfBounds
+from moriio_ray.transfer.desc import EngineDesc, MemoryDesc
 from moriio_ray.transfer.layout import LAYER_MAJOR, KVLayout
 
 _MUST_MATCH = ("num_layers", "block_size", "head_dim", "dtype")
+_FIELDS = ("local_offsets", "remote_offsets", "sizes")
+
+
+class Copy(NamedTuple):
+    """A plan in the direction its bytes move: ``dst[dst_offsets[i]:+sizes[i]] <- src[src_offsets[i]:]``."""
+
+    src_offsets: np.ndarray
+    dst_offsets: np.ndarray
+    sizes: np.ndarray
 
 
 class TransferPlan(msgspec.Struct, frozen=True):
-    """Coalesced segments, in bytes, ready for ``agent.read``/``agent.write``."""
+    """Segments in bytes: ``local[local_offsets[i]:+sizes[i]]`` <-> ``remote[remote_offsets[i]:...]``.
+
+    Built from any integer array-likes; on construction they become contiguous 1-D int64 arrays of
+    one length (ConfigError otherwise), so that nothing downstream validates them again.
+    """
 
     local_offsets: np.ndarray  # [n] int64
     remote_offsets: np.ndarray  # [n] int64
     sizes: np.ndarray  # [n] int64
+
+    def __post_init__(self) -> None:
+        arrays = [_int64_array(name, getattr(self, name)) for name in _FIELDS]
+        if len({a.size for a in arrays}) > 1:
+            raise ConfigError(
+                "sizes: local_offsets, remote_offsets and sizes differ in length "
+                f"({', '.join(str(a.size) for a in arrays)})"
+            )
+        for name, arr in zip(_FIELDS, arrays, strict=True):
+            msgspec.structs.force_setattr(self, name, arr)
 
     @property
     def num_segments(self) -> int:
@@ -34,6 +62,70 @@ class TransferPlan(msgspec.Struct, frozen=True):
     @property
     def num_bytes(self) -> int:
         return int(self.sizes.sum())
+
+    def check_local(self, region_bytes: int, what: str) -> None:
+        check_bounds(self.local_offsets, self.sizes, region_bytes, "local", what)
+
+    def check_remote(self, region_bytes: int, what: str) -> None:
+        check_bounds(self.remote_offsets, self.sizes, region_bytes, "remote", what)
+
+    def shifted(self, local_bytes: int, remote_bytes: int) -> TransferPlan:
+        """The same segments moved by ``local_bytes`` here and ``remote_bytes`` there."""
+        return TransferPlan(self.local_offsets + local_bytes, self.remote_offsets + remote_bytes, self.sizes)
+
+    def copy_for(self, op: str) -> Copy:
+        """The copy ``op`` makes: a read moves remote bytes into local memory, a write the reverse."""
+        if op == "read":
+            return Copy(self.remote_offsets, self.local_offsets, self.sizes)
+        return Copy(self.local_offsets, self.remote_offsets, self.sizes)
+
+
+class PullItem(msgspec.Struct, frozen=True):
+    """One batched read: from the remote rank ``peer``'s region into the local rank's cache."""
+
+    peer: EngineDesc
+    remote_mem: MemoryDesc
+    plan: TransferPlan
+
+
+def _int64_array(name: str, value: Any) -> np.ndarray:
+    arr = np.ascontiguousarray(np.asarray(value))
+    if arr.ndim != 1:
+        raise ConfigError(f"{name}: expected a 1-D array, got shape {arr.shape}")
+    if arr.size and arr.dtype.kind not in "iu":
+        raise ConfigError(f"{name}: expected integers, got dtype {arr.dtype}")
+    return arr.astype(np.int64, copy=False)
+
+
+def check_bounds(offsets: np.ndarray, sizes: np.ndarray, region_bytes: int, side: str, what: str) -> None:
+    """Raise SegmentOutOfBounds naming the first segment outside ``[0, region_bytes)``."""
+    if offsets.size == 0:
+        return
+    # four reductions on the hot path; the mask below only runs to name a bad segment
+    if offsets.min() >= 0 and sizes.min() > 0 and int((offsets + sizes).max()) <= region_bytes:
+        return
+    bad = (offsets < 0) | (sizes <= 0) | (offsets + sizes > region_bytes)
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise SegmentOutOfBounds(
+            f"segment {i}: {side} offset {int(offsets[i])} + size {int(sizes[i])} is outside "
+            f"{what} ({region_bytes} bytes)"
+        )
+
+
+def batches(sizes: np.ndarray, max_segments: int, max_bytes: int) -> list[tuple[int, int]]:
+    """[start, stop) segment ranges of at most ``max_segments`` segments and about ``max_bytes`` each."""
+    out = []
+    start, n = 0, int(sizes.size)
+    ends = np.cumsum(sizes)
+    while start < n:
+        base = int(ends[start - 1]) if start else 0
+        # the first segment whose end reaches base + max_bytes closes the range
+        stop = int(np.searchsorted(ends, base + max_bytes, side="left")) + 1
+        stop = min(max(stop, start + 1), start + max_segments, n)
+        out.append((start, stop))
+        start = stop
+    return out
 
 
 def check_compatible(local: KVLayout, remote: KVLayout) -> None:
@@ -74,14 +166,14 @@ def rank_pairs(local_ranks: Sequence[KVLayout], remote_ranks: Sequence[KVLayout]
 def coalesce(lo: np.ndarray, ro: np.ndarray, sz: np.ndarray) -> TransferPlan:
     """Merge neighbouring segments that are contiguous on both sides (order is kept)."""
     if sz.size <= 1:
-        return TransferPlan(lo.astype(np.int64), ro.astype(np.int64), sz.astype(np.int64))
+        return TransferPlan(lo, ro, sz)
     ends_l = lo[:-1] + sz[:-1]
     ends_r = ro[:-1] + sz[:-1]
     starts = np.empty(sz.size, dtype=bool)
     starts[0] = True
     starts[1:] = (lo[1:] != ends_l) | (ro[1:] != ends_r)
     idx = np.flatnonzero(starts)
-    return TransferPlan(lo[idx].copy(), ro[idx].copy(), np.add.reduceat(sz, idx).astype(np.int64))
+    return TransferPlan(lo[idx], ro[idx], np.add.reduceat(sz, idx))
 
 
 def plan_blocks(

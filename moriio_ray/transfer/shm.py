@@ -17,22 +17,21 @@ import weakref
 from typing import Any, ClassVar
 
 import msgspec
-import numpy as np
 import torch
 
 from moriio_ray.errors import ConfigError, PeerLost, SegmentOutOfBounds, TransferError
-from moriio_ray.transfer.base import EngineDesc, MemoryDesc, Transfer, TransferAgent, check_bounds
+from moriio_ray.transfer.base import EngineDesc, Local, MemoryDesc, Transfer, TransferAgent, connected
 from moriio_ray.transfer.handle import FutureTransfer
+from moriio_ray.transfer.plan import Copy, TransferPlan, batches
 from moriio_ray.transfer.shm_segment import Segment, sweep_stale_segments
-from moriio_ray.transfer.tcp_wire import batches
-from moriio_ray.transfer.workers import Workers
+from moriio_ray.transfer.threads import ThreadPool
 
 __all__ = ["ShmAgent", "sweep_stale_segments"]
 
 _INLINE_BYTES = 1 << 20  # smaller transfers copy in the caller's thread: a handoff would cost more
 _CHUNK_BYTES = 16 << 20  # the owner's liveness is checked (and test holds apply) between chunks
 _CHUNK_SEGMENTS = 4096
-_NUM_WORKERS = 2
+_NUM_THREADS = 2
 _SLOW_COPY_BYTES_PER_S = 1e9  # a pessimistic copy rate, to decide whether a waiter may copy itself
 _HOLD_MAX_S = 60.0
 
@@ -66,12 +65,13 @@ class ShmAgent(TransferAgent):
     name: ClassVar[str] = "shm"
     same_host_only: ClassVar[bool] = True
     memory_kinds: ClassVar[frozenset[str]] = frozenset({"cpu"})
+    checks_remote_bounds: ClassVar[bool] = True  # against the owner's region table in the segment
 
     def __init__(self, config: Any, key: str, *, epoch: int = 1, token: bytes | None = None) -> None:
         super().__init__(config, key, epoch=epoch, token=token)
         self._owned: list[Segment] = []
         self._shm_peers: dict[str, _Peer] = {}
-        self._workers: Workers | None = None
+        self._threads: ThreadPool | None = None
         # unlink this agent's segments at exit even if close() is never called
         self._finalizer = weakref.finalize(self, _retire_all, self._owned)
 
@@ -126,39 +126,26 @@ class ShmAgent(TransferAgent):
 
     def _close(self) -> None:
         self._finalizer()  # retire (state 0, unlink) every owned segment
-        if self._workers is not None:
-            self._workers.close()
+        if self._threads is not None:
+            self._threads.close()
 
     # -- transfers ------------------------------------------------------------------------------
 
     def _transfer(
-        self,
-        op: str,
-        local: torch.Tensor,
-        local_mem: MemoryDesc,
-        peer: EngineDesc,
-        remote_mem: MemoryDesc,
-        local_offsets: np.ndarray,
-        remote_offsets: np.ndarray,
-        sizes: np.ndarray,
+        self, op: str, local: Local, peer: EngineDesc, remote_mem: MemoryDesc, plan: TransferPlan
     ) -> Transfer:
-        state = self._shm_peers.get(peer.key)
-        if state is None:
-            raise PeerLost(f"peer {peer.key!r} is not connected (or was disconnected)")
+        state = connected(self._shm_peers, peer.key)
         try:
             ref = msgspec.msgpack.decode(remote_mem.backend_data, type=_ShmRef)
         except msgspec.DecodeError:
             raise ConfigError(f"remote_mem: region {remote_mem.mem_id} carries no shm reference") from None
         seg = state.segment(ref.name)
         seg.check_live(peer.key, remote_mem.epoch, check_pid=False)  # the process: after the copy
-        remote = _remote_view(seg, ref, remote_mem, remote_offsets, sizes)
-        local_view = local.detach().reshape(-1).view(torch.uint8).numpy().data
+        remote = _remote_view(seg, ref, remote_mem, plan)
+        local_view = local.tensor.detach().reshape(-1).view(torch.uint8).numpy().data
         src, dst = (remote, local_view) if op == "read" else (local_view, remote)
-        src_offsets, dst_offsets = (
-            (remote_offsets, local_offsets) if op == "read" else (local_offsets, remote_offsets)
-        )
-        transfer = _ShmTransfer(int(sizes.sum()), int(sizes.size), peer.key)
-        job = _Copy(self, state, seg, remote_mem.epoch, transfer, src, dst, src_offsets, dst_offsets, sizes)
+        transfer = _ShmTransfer(plan.num_bytes, plan.num_segments, peer.key)
+        job = _Copy(self, state, seg, remote_mem.epoch, transfer, src, dst, plan.copy_for(op))
         if transfer.num_bytes < _INLINE_BYTES:
             job.run(hold=False)
             return transfer
@@ -170,20 +157,18 @@ class ShmAgent(TransferAgent):
         self._pool().submit(job.run_if_unclaimed)
         return transfer
 
-    def _pool(self) -> Workers:
+    def _pool(self) -> ThreadPool:
         with self._lock:
-            if self._workers is None:
-                self._workers = Workers(_NUM_WORKERS, f"shm-copy-{self.key}")
-            return self._workers
+            if self._threads is None:
+                self._threads = ThreadPool(_NUM_THREADS, f"shm-copy-{self.key}")
+            return self._threads
 
     def _on_copied(self, moved_bytes: int) -> None:
         """Called between the chunks of an asynchronous copy (a no-op here; a subclass may observe
         or pace it)."""
 
 
-def _remote_view(
-    seg: Segment, ref: _ShmRef, remote_mem: MemoryDesc, offsets: np.ndarray, sizes: np.ndarray
-) -> memoryview:
+def _remote_view(seg: Segment, ref: _ShmRef, remote_mem: MemoryDesc, plan: TransferPlan) -> memoryview:
     """The registered region as the owner's table has it, with the segments checked against it."""
     entry = seg.region_bytes(remote_mem.mem_id)
     if entry is None or entry[0] != ref.offset:
@@ -192,9 +177,7 @@ def _remote_view(
         )
     offset, num_bytes = entry
     try:
-        check_bounds(
-            offsets, sizes, num_bytes, "remote", f"region {remote_mem.mem_id} of {remote_mem.engine_key!r}"
-        )
+        plan.check_remote(num_bytes, f"region {remote_mem.mem_id} of {remote_mem.engine_key!r}")
     except SegmentOutOfBounds as exc:
         raise SegmentOutOfBounds(f"{exc}, refused by the owner's region table") from None
     return seg.data[offset : offset + num_bytes].data
@@ -229,13 +212,10 @@ class _Copy:
         transfer: FutureTransfer,
         src: memoryview,
         dst: memoryview,
-        src_offsets: np.ndarray,
-        dst_offsets: np.ndarray,
-        sizes: np.ndarray,
+        copy: Copy,
     ) -> None:
         self.agent, self.peer, self.seg, self.epoch, self.transfer = agent, peer, seg, epoch, transfer
-        self.src, self.dst = src, dst
-        self.src_offsets, self.dst_offsets, self.sizes = src_offsets, dst_offsets, sizes
+        self.src, self.dst, self.copy = src, dst, copy
 
         self._claimed = threading.Lock()
 
@@ -256,16 +236,16 @@ class _Copy:
 
     def _copy(self, hold: bool) -> None:
         key = self.peer.desc.key
-        src, dst = self.src, self.dst
+        src, dst, copy = self.src, self.dst, self.copy
         moved = 0
-        for start, stop in batches(self.sizes, _CHUNK_SEGMENTS, _CHUNK_BYTES):
+        for start, stop in batches(copy.sizes, _CHUNK_SEGMENTS, _CHUNK_BYTES):
             if self.peer.error is not None:
                 raise self.peer.error
             sl = slice(start, stop)
-            so, do, sz = self.src_offsets[sl].tolist(), self.dst_offsets[sl].tolist(), self.sizes[sl].tolist()
+            so, do, sz = copy.src_offsets[sl].tolist(), copy.dst_offsets[sl].tolist(), copy.sizes[sl].tolist()
             for s, d, n in zip(so, do, sz, strict=True):
                 dst[d : d + n] = src[s : s + n]
-            moved += int(self.sizes[sl].sum())
+            moved += sum(sz)
             if hold:
                 self.agent._on_copied(moved)
             # between chunks the owner's control word (a memory read) stops a copy early

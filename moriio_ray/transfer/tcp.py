@@ -2,7 +2,7 @@
 
 Each agent runs a server (``tcp_server.py``) against its own registered regions; peers reach it
 through the host and port in its ``EngineDesc``. A read or write is one request carrying the whole
-batch of segments, issued on a client worker thread over a pooled connection (``tcp_client.py``),
+batch of segments, issued on a client thread over a pooled connection (``tcp_client.py``),
 so ``read``/``write`` return a ``Transfer`` at once. Both ends move bytes straight between the
 socket and the tensors (``tcp_wire.py``); GPU tensors go through pinned staging (``tcp_region.py``).
 
@@ -17,20 +17,20 @@ import time
 from typing import Any, ClassVar
 
 import msgspec
-import numpy as np
 import torch
 
 from moriio_ray.errors import ConfigError, PeerLost, TransferError, TransferTimeout
-from moriio_ray.transfer.base import EngineDesc, MemoryDesc, Transfer, TransferAgent
+from moriio_ray.transfer.base import EngineDesc, Local, MemoryDesc, Transfer, TransferAgent, connected
 from moriio_ray.transfer.handle import FutureTransfer
+from moriio_ray.transfer.plan import TransferPlan
 from moriio_ray.transfer.tcp_client import PeerPool
 from moriio_ray.transfer.tcp_region import Region, make_region
 from moriio_ray.transfer.tcp_server import TcpServer
 from moriio_ray.transfer.tcp_wire import OK, OPS, REQUEST, error_for, recv_status, send_all, set_deadline
-from moriio_ray.transfer.workers import Workers
+from moriio_ray.transfer.threads import ThreadPool
 
 _MAX_CONNS_PER_PEER = 4
-_NUM_WORKERS = 8
+_NUM_THREADS = 8
 
 
 class _Address(msgspec.Struct, frozen=True):
@@ -62,7 +62,7 @@ class TcpAgent(TransferAgent):
                 f"transfer.tcp.port: cannot listen on {config.tcp.bind_host}:{config.tcp.port}: {exc}; "
                 "use port 0 for an ephemeral port"
             ) from None
-        self._workers = Workers(_NUM_WORKERS, f"tcp-client-{key}")
+        self._threads = ThreadPool(_NUM_THREADS, f"tcp-client-{key}")
 
     # -- backend hooks --------------------------------------------------------------------------
 
@@ -92,32 +92,21 @@ class TcpAgent(TransferAgent):
 
     def _close(self) -> None:
         self._server.close()
-        self._workers.close()
+        self._threads.close()
 
     def _transfer(
-        self,
-        op: str,
-        local: torch.Tensor,
-        local_mem: MemoryDesc,
-        peer: EngineDesc,
-        remote_mem: MemoryDesc,
-        local_offsets: np.ndarray,
-        remote_offsets: np.ndarray,
-        sizes: np.ndarray,
+        self, op: str, local: Local, peer: EngineDesc, remote_mem: MemoryDesc, plan: TransferPlan
     ) -> Transfer:
-        pool = self._pools.get(peer.key)
-        if pool is None:
-            raise PeerLost(f"peer {peer.key!r} is not connected (or was disconnected)")
-        region = self._io[local_mem.mem_id]
-        transfer = FutureTransfer(int(sizes.sum()), int(sizes.size), peer.key)
+        pool = connected(self._pools, peer.key)
+        transfer = FutureTransfer(plan.num_bytes, plan.num_segments, peer.key)
         pool.track(transfer)
-        request = _Request(op, pool, transfer, region, remote_mem, local_offsets, remote_offsets, sizes)
-        self._workers.submit(lambda: request.run(self.config.timeout_s))
+        request = _Request(op, pool, transfer, self._io[local.mem.mem_id], remote_mem, plan)
+        self._threads.submit(lambda: request.run(self.config.timeout_s))
         return transfer
 
 
 class _Request:
-    """One batched request, run on a client worker thread."""
+    """One batched request, run on a client thread."""
 
     def __init__(
         self,
@@ -126,13 +115,10 @@ class _Request:
         transfer: FutureTransfer,
         region: Region,
         remote_mem: MemoryDesc,
-        local_offsets: np.ndarray,
-        remote_offsets: np.ndarray,
-        sizes: np.ndarray,
+        plan: TransferPlan,
     ) -> None:
         self.op, self.pool, self.transfer, self.region = op, pool, transfer, region
-        self.remote_mem = remote_mem
-        self.local_offsets, self.remote_offsets, self.sizes = local_offsets, remote_offsets, sizes
+        self.remote_mem, self.plan = remote_mem, plan
         self.deadline_s = 0.0
         self.sock: socket.socket | None = None
 
@@ -165,17 +151,21 @@ class _Request:
 
     def _exchange(self, sock: socket.socket) -> bool:
         """Send the request and move the data; refusals raise with the stream still in sync."""
-        n = int(self.sizes.size)
+        plan = self.plan
         head = REQUEST.pack(
-            OPS[self.op], n, self.remote_mem.mem_id, self.remote_mem.epoch, self.transfer.num_bytes
+            OPS[self.op],
+            plan.num_segments,
+            self.remote_mem.mem_id,
+            self.remote_mem.epoch,
+            self.transfer.num_bytes,
         )
         self._tick(0)
-        send_all(sock, [head, self.remote_offsets.data, self.sizes.data])
+        send_all(sock, [head, plan.remote_offsets.data, plan.sizes.data])
         self._expect_ok(sock)
         if self.op == "read":
-            self.region.recv(sock, self.local_offsets, self.sizes, self._tick)
+            self.region.recv(sock, plan.local_offsets, plan.sizes, self._tick)
         else:
-            self.region.send(sock, self.local_offsets, self.sizes, self._tick)
+            self.region.send(sock, plan.local_offsets, plan.sizes, self._tick)
             self._expect_ok(sock)
         return True
 

@@ -83,26 +83,27 @@ class StagedRegion:
             self._free.append(buf)
 
     def send(self, sock: socket.socket, offsets: np.ndarray, sizes: np.ndarray, tick: Tick | None) -> None:
-        buf = self._take()
-        try:
-            view = buf.numpy().data
-            moved = 0
-            for offs, lens in windows(offsets, sizes, self._window(sizes)):
-                used = self._gather(buf, offs, lens)
-                send_segments(sock, view, *_pieces(used), _shifted(tick, moved))
-                moved += used
-        finally:
-            self._give(buf)
+        self._staged(sock, offsets, sizes, tick, sending=True)
 
     def recv(self, sock: socket.socket, offsets: np.ndarray, sizes: np.ndarray, tick: Tick | None) -> None:
+        self._staged(sock, offsets, sizes, tick, sending=False)
+
+    def _staged(
+        self, sock: socket.socket, offsets: np.ndarray, sizes: np.ndarray, tick: Tick | None, sending: bool
+    ) -> None:
+        """Window by window: gather then send, or receive then scatter."""
         buf = self._take()
         try:
             view = buf.numpy().data
             moved = 0
             for offs, lens in windows(offsets, sizes, self._window(sizes)):
-                used = int(lens.sum())
-                recv_segments(sock, view, *_pieces(used), _shifted(tick, moved))
-                self._scatter(buf, offs, lens)
+                if sending:
+                    used = self._gather(buf, offs, lens)
+                    send_segments(sock, view, *_pieces(used), _shifted(tick, moved))
+                else:
+                    used = int(lens.sum())
+                    recv_segments(sock, view, *_pieces(used), _shifted(tick, moved))
+                    self._scatter(buf, offs, lens)
                 moved += used
         finally:
             self._give(buf)

@@ -16,7 +16,7 @@ import numpy as np
 
 from moriio_ray.config import TcpConfig
 from moriio_ray.errors import SegmentOutOfBounds, TransferError
-from moriio_ray.transfer.base import check_bounds
+from moriio_ray.transfer.plan import check_bounds
 from moriio_ray.transfer.tcp_region import Region
 from moriio_ray.transfer.tcp_wire import (
     ERR_BOUNDS,

@@ -26,6 +26,7 @@ from moriio_ray.errors import (
     TokenRejected,
     TransferError,
 )
+from moriio_ray.transfer.plan import batches
 
 MAGIC = b"MRIO"
 VERSION = 1
@@ -124,23 +125,6 @@ def _views(
     ]
 
 
-def batches(
-    sizes: np.ndarray, max_segments: int = _BATCH_SEGMENTS, max_bytes: int = _BATCH_BYTES
-) -> list[tuple[int, int]]:
-    """[start, stop) segment ranges of at most ``max_segments`` segments and about ``max_bytes`` each."""
-    out = []
-    start, n = 0, int(sizes.size)
-    ends = np.cumsum(sizes)
-    while start < n:
-        base = int(ends[start - 1]) if start else 0
-        # the first segment whose end reaches base + max_bytes closes the range
-        stop = int(np.searchsorted(ends, base + max_bytes, side="left")) + 1
-        stop = min(max(stop, start + 1), start + max_segments, n)
-        out.append((start, stop))
-        start = stop
-    return out
-
-
 Tick = Callable[[int], None]  # called with the bytes moved so far, between batches
 
 
@@ -185,7 +169,7 @@ def _pump(
 ) -> None:
     """Move the segments batch by batch with ``io`` (one sendmsg or recvmsg_into per call)."""
     moved = 0
-    for start, stop in batches(sizes):
+    for start, stop in batches(sizes, _BATCH_SEGMENTS, _BATCH_BYTES):
         bufs = _views(base, offsets, sizes, start, stop)
         while bufs:
             n = io(bufs)

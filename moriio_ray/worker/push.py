@@ -18,6 +18,7 @@ from __future__ import annotations
 import threading
 import time
 
+import msgspec
 import numpy as np
 
 from moriio_ray.engine.batch import PrefillChunk
@@ -27,7 +28,7 @@ from moriio_ray.transfer.base import TransferAgent
 from moriio_ray.transfer.desc import MemoryDesc
 from moriio_ray.transfer.handle import Transfer
 from moriio_ray.transfer.layout import KVLayout
-from moriio_ray.transfer.plan import plan_blocks, rank_pairs
+from moriio_ray.transfer.plan import TransferPlan, plan_blocks, rank_pairs
 
 
 def layer_stride_bytes(layout: KVLayout) -> int:
@@ -35,6 +36,16 @@ def layer_stride_bytes(layout: KVLayout) -> int:
     one = np.ones(1, dtype=np.int64)
     zero = np.zeros(1, dtype=np.int64)
     return int(layout.segment_offsets(one, zero, zero)[0] - layout.segment_offsets(zero, zero, zero)[0])
+
+
+class PushOrder(msgspec.Struct, frozen=True):
+    """Rank 0's order to another P rank: push its KV heads of one prefill into D's reserved blocks."""
+
+    request_id: str
+    peer_ranks: list[RankDesc]  # D's ranks
+    dest_blocks: list[int]
+    last_push_unix: float | None  # no push starts after this
+    first_block: int = 0  # D holds the blocks before this one: they are never pushed
 
 
 def push_targets(local_layout: KVLayout, peer_ranks: list[RankDesc]) -> list[RankDesc]:
@@ -81,9 +92,8 @@ class LayerPusher:
         # set once the last layer of the last chunk is pushed (or a push failed): a rank other than
         # 0 may run its forward pass a little behind rank 0, which asks it to wait
         self.complete = threading.Event()
-        # the blocks of the chunk being pushed, and per target layer 0's (local, remote, sizes)
-        # and the remote layer stride
-        self._plans: tuple[tuple[int, int], list[tuple[np.ndarray, np.ndarray, np.ndarray, int]]] | None
+        # the blocks of the chunk being pushed, and per target layer 0's plan and the remote layer stride
+        self._plans: tuple[tuple[int, int], list[tuple[TransferPlan, int]]] | None
         self._plans = None
         self._local_stride = layer_stride_bytes(local_layout)
         self._lock = threading.Lock()  # on_layer (engine thread) against close (asyncio thread)
@@ -112,10 +122,9 @@ class LayerPusher:
                 if self._plans is None or self._plans[0] != (first, end):
                     self._plans = ((first, end), self._plan(local_blocks, first, end))
                 local_step = layer * self._local_stride
-                for target, (lo, ro, sz, remote_stride) in zip(self.targets, self._plans[1], strict=True):
-                    xfer = self.agent.write(
-                        self.local_mem, target.kv_mem, lo + local_step, ro + layer * remote_stride, sz
-                    )
+                for target, (plan, remote_stride) in zip(self.targets, self._plans[1], strict=True):
+                    layer_plan = plan.shifted(local_step, layer * remote_stride)
+                    xfer = self.agent.write(self.local_mem, target.kv_mem, layer_plan)
                     self.transfers.append(xfer)
                     self.num_bytes += xfer.num_bytes
                     self.num_segments += xfer.num_segments
@@ -126,9 +135,7 @@ class LayerPusher:
             self.error = exc
             self.complete.set()
 
-    def _plan(
-        self, local_blocks: list[int], first: int, end: int
-    ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray, int]]:
+    def _plan(self, local_blocks: list[int], first: int, end: int) -> list[tuple[TransferPlan, int]]:
         dest = self.dest_blocks
         if len(local_blocks) < len(dest):
             raise TransferError(
@@ -139,9 +146,7 @@ class LayerPusher:
             plan = plan_blocks(
                 local_blocks[first:end], dest[first:end], self.local_layout, target.layout, range(0, 1)
             )
-            plans.append(
-                (plan.local_offsets, plan.remote_offsets, plan.sizes, layer_stride_bytes(target.layout))
-            )
+            plans.append((plan, layer_stride_bytes(target.layout)))
         return plans
 
     def wait_all(self, timeout_s: float) -> None:

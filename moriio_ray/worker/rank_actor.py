@@ -22,9 +22,10 @@ from moriio_ray.engine.batch import PrefillChunk
 from moriio_ray.errors import InvalidRequest, MoriioRayError
 from moriio_ray.protocol.messages import RankDesc, Role
 from moriio_ray.transfer import create_agent
-from moriio_ray.worker.push import LayerPusher, push_targets
+from moriio_ray.transfer.plan import PullItem
+from moriio_ray.worker.push import LayerPusher, PushOrder, push_targets
 from moriio_ray.worker.ranks import end_process
-from moriio_ray.worker.tp_transfer import PullItem, issue_reads, wait_all
+from moriio_ray.worker.tp_transfer import issue_reads, wait_all
 
 log = logging.getLogger(__name__)
 
@@ -143,22 +144,22 @@ class RankWorker:
         await asyncio.to_thread(wait_all, xfers, timeout_s)
         return sum(x.num_bytes for x in xfers)
 
-    async def prepare_push(
-        self,
-        request_id: str,
-        peer_ranks: list[RankDesc],
-        dest_blocks: list[int],
-        last_push_unix: float,
-        first_block: int = 0,
-    ) -> None:
-        """WRITE: push this rank's heads of ``request_id``'s prefill, layer by layer, into D's ranks
-        (none after ``last_push_unix``; none of the first ``first_block`` blocks, which D holds)."""
+    async def prepare_push(self, order: PushOrder) -> None:
+        """WRITE: push this rank's heads of ``order.request_id``'s prefill, layer by layer, into D's
+        ranks (none after ``order.last_push_unix``; none of the blocks before ``order.first_block``,
+        which D holds)."""
         engine = self.engine
-        targets = push_targets(engine.layout, peer_ranks)
+        targets = push_targets(engine.layout, order.peer_ranks)
         for target in targets:
             await asyncio.to_thread(self.agent.connect, target.engine_desc)
-        self.pushers[request_id] = LayerPusher(
-            self.agent, engine.kv_mem, engine.layout, targets, dest_blocks, last_push_unix, first_block
+        self.pushers[order.request_id] = LayerPusher(
+            self.agent,
+            engine.kv_mem,
+            engine.layout,
+            targets,
+            order.dest_blocks,
+            order.last_push_unix,
+            order.first_block,
         )
 
     async def wait_push(self, request_id: str, timeout_s: float) -> tuple[int, int]:

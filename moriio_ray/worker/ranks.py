@@ -20,7 +20,8 @@ from moriio_ray.config import PipelineConfig
 from moriio_ray.engine.tp import SINGLE, TPGroup, init_group
 from moriio_ray.protocol.deadline import deadline
 from moriio_ray.protocol.messages import RankDesc
-from moriio_ray.worker.tp_transfer import PullItem
+from moriio_ray.transfer.plan import PullItem
+from moriio_ray.worker.push import PushOrder
 
 log = logging.getLogger(__name__)
 
@@ -109,16 +110,10 @@ class RankGroup:
         last_push_unix: float,
         first_block: int = 0,
     ) -> None:
-        await asyncio.gather(
-            *(
-                deadline(
-                    f.prepare_push.remote(request_id, peer_ranks, dest_blocks, last_push_unix, first_block),
-                    self.timeout_s,
-                    "a push",
-                )
-                for f in self.followers
-            )
-        )
+        """Every other rank prepares its push of ``request_id`` (``PushOrder``)."""
+        order = PushOrder(request_id, peer_ranks, dest_blocks, last_push_unix, first_block)
+        pushes = [f.prepare_push.remote(order) for f in self.followers]
+        await asyncio.gather(*(deadline(ref, self.timeout_s, "a push") for ref in pushes))
 
     async def wait_push(self, request_id: str, timeout_s: float) -> tuple[int, int]:
         """Every other rank's push of ``request_id``: (bytes, segments) together."""

@@ -12,27 +12,15 @@ from __future__ import annotations
 import concurrent.futures
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
-
-import msgspec
+from typing import Any
 
 from moriio_ray.errors import MoriioRayError, PeerLost, TransferError, TransferTimeout
 from moriio_ray.protocol.messages import RankDesc
 from moriio_ray.transfer.base import TransferAgent
-from moriio_ray.transfer.desc import EngineDesc, MemoryDesc
+from moriio_ray.transfer.desc import MemoryDesc
 from moriio_ray.transfer.handle import Transfer
-from moriio_ray.transfer.plan import TransferPlan, plan_blocks, rank_pairs
-
-if TYPE_CHECKING:
-    from moriio_ray.worker.ranks import RankGroup
-
-
-class PullItem(msgspec.Struct, frozen=True):
-    """One batched read: from the remote rank ``peer``'s region into the local rank's cache."""
-
-    peer: EngineDesc
-    remote_mem: MemoryDesc
-    plan: TransferPlan
+from moriio_ray.transfer.plan import PullItem, plan_blocks, rank_pairs
+from moriio_ray.worker.ranks import RankGroup
 
 
 def plan_pulls(
@@ -60,10 +48,7 @@ def issue_reads(
     for item in items:
         if connect:
             agent.connect(item.peer)
-        plan = item.plan
-        transfers.append(
-            agent.read(local_mem, item.remote_mem, plan.local_offsets, plan.remote_offsets, plan.sizes)
-        )
+        transfers.append(agent.read(local_mem, item.remote_mem, item.plan))
     return transfers
 
 

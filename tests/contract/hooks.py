@@ -19,6 +19,7 @@ from moriio_ray.errors import TransferError
 from moriio_ray.transfer import TransferAgent, create_agent
 from moriio_ray.transfer.mori import MoriAgent
 from moriio_ray.transfer.mori_status import MoriTransfer, is_terminal
+from moriio_ray.transfer.plan import TransferPlan
 from moriio_ray.transfer.shm import ShmAgent
 from moriio_ray.transfer.tcp import TcpAgent
 from moriio_ray.transfer.tcp_region import make_region
@@ -120,15 +121,13 @@ class HoldingMoriAgent(MoriAgent):
         self._hold = (num_bytes, held, release)
         return held, release
 
-    def _issue_segments(
-        self, transfer: MoriTransfer, session: Any, op: str, lo: np.ndarray, ro: np.ndarray, sz: np.ndarray
-    ) -> bool:
+    def _issue_segments(self, transfer: MoriTransfer, session: Any, op: str, plan: TransferPlan) -> bool:
         hold, self._hold = self._hold, None
         if hold is None:
-            return super()._issue_segments(transfer, session, op, lo, ro, sz)
-        first = _split_at(sz, hold[0])
-        self._issue_batch(transfer, session, op, lo[:first], ro[:first], sz[:first])
-        rest = (lo[first:], ro[first:], sz[first:])
+            return super()._issue_segments(transfer, session, op, plan)
+        first = _split_at(plan.sizes, hold[0])
+        head, rest = _part(plan, slice(first)), _part(plan, slice(first, None))
+        self._issue_batch(transfer, session, op, head)
         threading.Thread(
             target=self._issue_held_rest, args=(transfer, session, op, rest, hold), daemon=True
         ).start()
@@ -139,7 +138,7 @@ class HoldingMoriAgent(MoriAgent):
         transfer: MoriTransfer,
         session: Any,
         op: str,
-        rest: tuple[np.ndarray, np.ndarray, np.ndarray],
+        rest: TransferPlan,
         hold: tuple[int, threading.Event, threading.Event],
     ) -> None:
         _, held, release = hold
@@ -150,12 +149,16 @@ class HoldingMoriAgent(MoriAgent):
             held.set()
             release.wait(HOLD_MAX_S)
             with self._lock:
-                if transfer.forced_error is None and not self._closed and rest[2].size:
-                    self._issue_batch(transfer, session, op, *rest)
+                if transfer.forced_error is None and not self._closed and rest.num_segments:
+                    self._issue_batch(transfer, session, op, rest)
         except Exception as exc:
             transfer.fail(TransferError(f"issuing the held rest of a transfer failed: {exc!r}"))
         finally:
             transfer.finish_issuing()
+
+
+def _part(plan: TransferPlan, part: slice) -> TransferPlan:
+    return TransferPlan(plan.local_offsets[part], plan.remote_offsets[part], plan.sizes[part])
 
 
 _HOLDING: dict[str, type[TransferAgent]] = {

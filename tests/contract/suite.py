@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from moriio_ray.errors import PeerLost, SegmentOutOfBounds, StaleDescriptor, TokenRejected, TransferTimeout
-from moriio_ray.transfer import MemoryDesc, Transfer, TransferAgent
+from moriio_ray.transfer import MemoryDesc, Transfer, TransferAgent, TransferPlan
+from moriio_ray.transfer.base import Local
 from tests.contract.harness import Harness, Hold, PeerProcess, pattern
 
 KiB = 1 << 10
@@ -42,11 +43,11 @@ def pair(
     return a, b, ta, ma, tb, mb
 
 
-def big_batch() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def big_batch() -> TransferPlan:
     """BIG bytes in 64 KiB segments, remote order reversed so nothing coalesces."""
     n = BIG // (64 * KiB)
     lo = np.arange(n, dtype=np.int64) * 64 * KiB
-    return lo, lo[::-1].copy(), np.full(n, 64 * KiB, dtype=np.int64)
+    return TransferPlan(lo, lo[::-1].copy(), np.full(n, 64 * KiB, dtype=np.int64))
 
 
 def require_hold(harness: Harness) -> None:
@@ -68,7 +69,7 @@ def parked_read(
 ) -> tuple[Transfer, Hold]:
     """A BIG read, parked by the backend's test hook once 1 MiB has moved."""
     hold = harness.hold(agent, peer, MiB)
-    x = agent.read(local, remote, *big_batch())
+    x = agent.read(local, remote, big_batch())
     assert hold.wait_held(WAIT_S), "the transfer never reached the hold"
     assert not x.done()
     return x, hold
@@ -89,11 +90,11 @@ class ContractSuite:
     @pytest.mark.timeout(30)
     def test_round_trip_single(self, harness: Harness) -> None:
         a, _, ta, ma, tb, mb = pair(harness, MiB)
-        x = finish(a.read(ma, mb, [0], [4096], [65536]))
+        x = finish(a.read(ma, mb, TransferPlan([0], [4096], [65536])))
         assert x.done() and x.error() is None and x.bytes_moved == 65536
         assert np.array_equal(host(ta)[:65536], pattern(1, MiB)[4096 : 4096 + 65536])
         ta[200_000:203_000] = 7
-        finish(a.write(ma, mb, [200_000], [500_000], [3000]))
+        finish(a.write(ma, mb, TransferPlan([200_000], [500_000], [3000])))
         assert (host(tb)[500_000:503_000] == 7).all()
         assert np.array_equal(host(tb)[:500_000], pattern(1, MiB)[:500_000])  # nothing else touched
 
@@ -103,12 +104,12 @@ class ContractSuite:
         blocks = np.random.default_rng(3).permutation(64)[:48].astype(np.int64)  # 16 KiB blocks
         lo, ro = np.arange(48, dtype=np.int64) * 16 * KiB, blocks * 16 * KiB
         sz = np.full(48, 16 * KiB, dtype=np.int64)
-        x = finish(a.read(ma, mb, lo, ro, sz))
+        x = finish(a.read(ma, mb, TransferPlan(lo, ro, sz)))
         assert x.num_segments == 48 and x.bytes_moved == 48 * 16 * KiB
         expect = pattern(1, MiB).reshape(64, 16 * KiB)[blocks].reshape(-1)
         assert np.array_equal(host(ta)[: 48 * 16 * KiB], expect)
         ta.zero_()
-        finish(a.write(ma, mb, lo, ro, sz))  # zeros land exactly on the 48 blocks
+        finish(a.write(ma, mb, TransferPlan(lo, ro, sz)))  # zeros land exactly on the 48 blocks
         rows = host(tb).reshape(64, 16 * KiB)
         assert (rows[blocks] == 0).all()
         untouched = np.setdiff1d(np.arange(64), blocks)
@@ -125,11 +126,11 @@ class ContractSuite:
         lo = np.arange(n, dtype=np.int64) * 16 * KiB
         ro = np.random.default_rng(0).permutation(n).astype(np.int64) * 16 * KiB
         sz = np.full(n, 16 * KiB, dtype=np.int64)
-        finish(a.read(ma, peer.mem, lo, ro, sz))
+        finish(a.read(ma, peer.mem, TransferPlan(lo, ro, sz)))
         expect = pattern(7, 4 * MiB).reshape(n, 16 * KiB)[ro // (16 * KiB)].reshape(-1)
         assert np.array_equal(host(ta), expect)
         ta.copy_(torch.from_numpy(pattern(8, 4 * MiB)))
-        finish(a.write(ma, peer.mem, lo, ro, sz))
+        finish(a.write(ma, peer.mem, TransferPlan(lo, ro, sz)))
         remote = np.frombuffer(peer.call("bytes"), dtype=np.uint8).reshape(n, 16 * KiB)
         assert np.array_equal(remote[ro // (16 * KiB)].reshape(-1), pattern(8, 4 * MiB))
 
@@ -146,7 +147,7 @@ class ContractSuite:
         d_off, s_off = (lo, ro) if op == "read" else (ro, lo)
         for d, s, n in zip(d_off.tolist(), s_off.tolist(), sz.tolist(), strict=True):
             dst[d : d + n] = src[s : s + n]
-        finish(getattr(a, op)(ma, mb, lo, ro, sz))
+        finish(getattr(a, op)(ma, mb, TransferPlan(lo, ro, sz)))
         assert np.array_equal(host(ta), local_ref)
         assert np.array_equal(host(tb), remote_ref)
 
@@ -156,17 +157,17 @@ class ContractSuite:
     def test_out_of_bounds_refused_on_the_local_side(self, harness: Harness) -> None:
         a, _, _, ma, _, mb = pair(harness, MiB)
         with pytest.raises(SegmentOutOfBounds, match=r"segment 1: local offset 1048570 \+ size 100"):
-            a.read(ma, mb, [0, MiB - 6], [0, 4096], [10, 100])
+            a.read(ma, mb, TransferPlan([0, MiB - 6], [0, 4096], [10, 100]))
         with pytest.raises(SegmentOutOfBounds, match="segment 0: local offset -1"):
-            a.write(ma, mb, [-1], [0], [10])
+            a.write(ma, mb, TransferPlan([-1], [0], [10]))
 
     @pytest.mark.timeout(30)
     def test_out_of_bounds_refused_on_the_remote_side(self, harness: Harness) -> None:
         a, _, _, ma, _, mb = pair(harness, MiB)
         with pytest.raises(SegmentOutOfBounds, match=r"segment 2: remote offset 1048000 \+ size 4096"):
-            a.read(ma, mb, [0, 10, 20], [0, 10, MiB - 576], [10, 10, 4096])
+            a.read(ma, mb, TransferPlan([0, 10, 20], [0, 10, MiB - 576], [10, 10, 4096]))
         with pytest.raises(SegmentOutOfBounds, match="segment 0: remote offset -4096"):
-            a.write(ma, mb, [0], [-4096], [10])
+            a.write(ma, mb, TransferPlan([0], [-4096], [10]))
 
     @pytest.mark.timeout(30)
     def test_out_of_bounds_refused_by_the_peer_itself(self, harness: Harness) -> None:
@@ -178,8 +179,8 @@ class ContractSuite:
         a.connect(b.engine_desc())
         forged = msgspec.structs.replace(mb, num_bytes=4 * MiB)
         with pytest.raises(SegmentOutOfBounds, match=r"segment 1: remote offset 2097152 \+ size 4096"):
-            finish(a.read(ma, forged, [0, 4096], [0, 2 * MiB], [4096, 4096]))
-        finish(a.read(ma, mb, [0], [0], [MiB]))  # the refusal left the connection usable
+            finish(a.read(ma, forged, TransferPlan([0, 4096], [0, 2 * MiB], [4096, 4096])))
+        finish(a.read(ma, mb, TransferPlan([0], [0], [MiB])))  # the refusal left the connection usable
         assert np.array_equal(host(ta)[:MiB], pattern(1, MiB))
 
     @pytest.mark.timeout(30)
@@ -204,12 +205,12 @@ class ContractSuite:
         with pytest.raises(StaleDescriptor, match="epoch 1 is older than the connected epoch 2"):
             a.connect(old.engine_desc())
         with pytest.raises(StaleDescriptor, match="epoch 1"):
-            a.read(ma, m_old, [0], [0], [4096])
+            a.read(ma, m_old, TransferPlan([0], [0], [4096]))
         # past this side's check: a region of the new peer labelled with the old epoch
         forged = msgspec.structs.replace(m_new, epoch=1)
         with pytest.raises(StaleDescriptor):
-            finish(a._transfer("read", ta, ma, a.peers()["prefill-0"], forged, *segments(4096)))
-        finish(a.read(ma, m_new, [0], [0], [4096]))
+            finish(a._transfer("read", Local(ma, ta), a.peers()["prefill-0"], forged, segments(4096)))
+        finish(a.read(ma, m_new, TransferPlan([0], [0], [4096])))
         assert np.array_equal(host(ta)[:4096], pattern(2, MiB)[:4096])
 
     # -- timeouts and failures ------------------------------------------------------------------
@@ -243,7 +244,7 @@ class ContractSuite:
         a.connect(peer.desc)
         peer.pause()
         start = time.monotonic()
-        x = a.read(ma, peer.mem, *big_batch())
+        x = a.read(ma, peer.mem, big_batch())
         with pytest.raises(TransferTimeout):
             x.wait(0.1)  # the caller's own timeout: the transfer goes on
         assert not x.done()
@@ -251,7 +252,7 @@ class ContractSuite:
             x.wait(WAIT_S)  # the transfer's deadline (1 s) ends it
         assert time.monotonic() - start < 1.0 + 2.0
         peer.resume()
-        finish(a.read(ma, peer.mem, [0], [0], [MiB]))  # a fresh connection works again
+        finish(a.read(ma, peer.mem, TransferPlan([0], [0], [MiB])))  # a fresh connection works again
         assert np.array_equal(host(ta)[:MiB], pattern(5, BIG)[:MiB])
 
     @pytest.mark.timeout(60)
@@ -292,7 +293,7 @@ class ContractSuite:
             x.wait(TIMEOUT_S)  # the disconnect ends it: the transfer's own deadline would say "timeout"
         hold.release()
         with pytest.raises(PeerLost):
-            a.read(ma, mb, [0], [0], [4096])
+            a.read(ma, mb, TransferPlan([0], [0], [4096]))
 
     # -- concurrency ----------------------------------------------------------------------------
 
@@ -312,9 +313,9 @@ class ContractSuite:
             seg = np.arange(16, dtype=np.int64) * (chunk // 16)
             sz = np.full(16, chunk // 16, dtype=np.int64)
             if i < 4:  # reads into local chunk i
-                xs.append(a.read(ma, mem, i * chunk + seg, i * chunk + seg, sz))
+                xs.append(a.read(ma, mem, TransferPlan(i * chunk + seg, i * chunk + seg, sz)))
             else:  # writes of local chunk i into the peer's chunk i
-                xs.append(a.write(ma, mem, i * chunk + seg, i * chunk + seg, sz))
+                xs.append(a.write(ma, mem, TransferPlan(i * chunk + seg, i * chunk + seg, sz)))
         for x in xs:
             x.wait(WAIT_S)
         local = host(ta)
@@ -339,7 +340,7 @@ class ContractSuite:
         order = [np.random.default_rng(i).permutation(128).astype(np.int64) * 64 * KiB for i in range(3)]
         lo = np.arange(128, dtype=np.int64) * 64 * KiB
         xs = [
-            c.read(m, peer_mem, lo, order[i], sz)
+            c.read(m, peer_mem, TransferPlan(lo, order[i], sz))
             for i, (c, (_, m)) in enumerate(zip(clients, regions, strict=True))
         ]
         for x in xs:
@@ -349,10 +350,9 @@ class ContractSuite:
             assert np.array_equal(host(t).reshape(128, 64 * KiB), rows[order[i] // (64 * KiB)])
 
 
-def segments(size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def segments(size: int) -> TransferPlan:
     """One segment at offset 0 on both sides."""
-    zero = np.zeros(1, dtype=np.int64)
-    return zero, zero.copy(), np.full(1, size, dtype=np.int64)
+    return TransferPlan([0], [0], [size])
 
 
 def random_offsets_for(rng: np.random.Generator, sizes: np.ndarray, region_bytes: int) -> np.ndarray:

@@ -14,6 +14,7 @@ from moriio_ray.config import CUDA_IPC_METHODS, CudaIpcConfig
 from moriio_ray.errors import SegmentOutOfBounds, TransferTimeout
 from moriio_ray.transfer import TransferConfig, create_agent
 from moriio_ray.transfer.cuda_kernels import KernelVariant
+from moriio_ray.transfer.plan import TransferPlan
 
 torch = pytest.importorskip("torch")
 
@@ -65,12 +66,12 @@ def test_round_trip_of_aligned_blocks(pair: tuple[Side, Side], op: str) -> None:
     if op == "read":  # a pulls b's segments
         expect = a.host.copy()
         apply(expect, b.host, local, remote, sizes)
-        a.agent.read(a.mem, b.mem, local, remote, sizes).wait(timeout_s=30)
+        a.agent.read(a.mem, b.mem, TransferPlan(local, remote, sizes)).wait(timeout_s=30)
         assert np.array_equal(a.bytes(), expect)
     else:  # a pushes into b
         expect = b.host.copy()
         apply(expect, a.host, remote, local, sizes)
-        a.agent.write(a.mem, b.mem, local, remote, sizes).wait(timeout_s=30)
+        a.agent.write(a.mem, b.mem, TransferPlan(local, remote, sizes)).wait(timeout_s=30)
         assert np.array_equal(b.bytes(), expect)
 
 
@@ -83,11 +84,11 @@ def test_thousand_random_unaligned_segments_byte_for_byte(pair: tuple[Side, Side
     if op == "read":
         expect = a.host.copy()
         apply(expect, b.host, dst, src, sizes)
-        x = a.agent.read(a.mem, b.mem, dst, src, sizes)
+        x = a.agent.read(a.mem, b.mem, TransferPlan(dst, src, sizes))
     else:
         expect = b.host.copy()
         apply(expect, a.host, dst, src, sizes)
-        x = a.agent.write(a.mem, b.mem, src, dst, sizes)
+        x = a.agent.write(a.mem, b.mem, TransferPlan(src, dst, sizes))
     x.wait(timeout_s=30)
     assert x.done() and x.error() is None and x.bytes_moved == int(sizes.sum())
     got = a.bytes() if op == "read" else b.bytes()
@@ -118,7 +119,7 @@ def test_every_method_reads_and_writes_random_unaligned_segments(method: str) ->
         dst, src, sizes = random_segments(rng, 1000, REGION_BYTES, REGION_BYTES, 5000)
         expect = a.host.copy()
         apply(expect, b.host, dst, src, sizes)
-        x = a.agent.read(a.mem, b.mem, dst, src, sizes)
+        x = a.agent.read(a.mem, b.mem, TransferPlan(dst, src, sizes))
         x.wait(timeout_s=30)
         assert x.method == (method if method != "auto" else "kernel")
         assert np.array_equal(a.bytes(), expect)
@@ -127,7 +128,7 @@ def test_every_method_reads_and_writes_random_unaligned_segments(method: str) ->
         )
         expect_b = b.host.copy()
         apply(expect_b, expect, dst2, src2, sizes2)
-        a.agent.write(a.mem, b.mem, src2, dst2, sizes2).wait(timeout_s=30)
+        a.agent.write(a.mem, b.mem, TransferPlan(src2, dst2, sizes2)).wait(timeout_s=30)
         bad = np.flatnonzero(b.bytes() != expect_b)
         assert bad.size == 0, f"{method}: {bad.size} bytes differ, first at {bad[:5]}"
     finally:
@@ -158,7 +159,7 @@ def test_every_kernel_shape_copies_pages_and_mixed_segments_launch_after_launch(
             a.region.copy_(torch.from_numpy(a.host))  # a no-op copy would leave this and fail
             expect = a.host.copy()
             apply(expect, b.host, dst, src, sizes)
-            a.agent.read(a.mem, b.mem, dst, src, sizes).wait(timeout_s=30)
+            a.agent.read(a.mem, b.mem, TransferPlan(dst, src, sizes)).wait(timeout_s=30)
             bad = np.flatnonzero(a.bytes() != expect)
             assert bad.size == 0, f"{variant.label()}: {bad.size} bytes differ, first at {bad[:5]}"
     finally:
@@ -171,7 +172,7 @@ def test_every_kernel_shape_copies_pages_and_mixed_segments_launch_after_launch(
 def test_copy_engine_submission_names_its_mode() -> None:
     a, b = make_pair((0, 0), TransferConfig(backend="cuda_ipc", cuda_ipc=CudaIpcConfig(method="copy_engine")))
     try:
-        a.agent.read(a.mem, b.mem, [0], [0], [4096]).wait(timeout_s=30)
+        a.agent.read(a.mem, b.mem, TransferPlan([0], [0], [4096])).wait(timeout_s=30)
         mode, reason = a.agent.copy_engine_mode(0)
         assert mode in ("batch_v2", "batch_v1", "per_segment")
         assert mode != "per_segment" or reason, "a fallback to one memcpy per segment must say why"
@@ -189,7 +190,7 @@ def test_small_transfer_path_copies_the_same_bytes() -> None:
     dst, src, sizes = random_segments(rng, 200, REGION_BYTES, REGION_BYTES, 3000)
     expect = a.host.copy()
     apply(expect, b.host, dst, src, sizes)
-    a.agent.read(a.mem, b.mem, dst, src, sizes).wait(timeout_s=30)
+    a.agent.read(a.mem, b.mem, TransferPlan(dst, src, sizes)).wait(timeout_s=30)
     assert np.array_equal(a.bytes(), expect)
     a.agent.close()
     b.agent.close()
@@ -199,16 +200,18 @@ def test_small_transfer_path_copies_the_same_bytes() -> None:
 def test_out_of_bounds_is_refused_before_launch(pair: tuple[Side, Side]) -> None:
     a, b = pair
     with pytest.raises(SegmentOutOfBounds, match="segment 1"):
-        a.agent.read(a.mem, b.mem, [0, 0], [0, REGION_BYTES - 10], [16, 16])
+        a.agent.read(a.mem, b.mem, TransferPlan([0, 0], [0, REGION_BYTES - 10], [16, 16]))
     with pytest.raises(SegmentOutOfBounds, match="local"):
-        a.agent.write(a.mem, b.mem, [REGION_BYTES], [0], [1])
+        a.agent.write(a.mem, b.mem, TransferPlan([REGION_BYTES], [0], [1]))
     # a descriptor that claims more than the peer really registered is caught on the real memory
     import msgspec
 
     lying = msgspec.structs.replace(b.mem, num_bytes=REGION_BYTES * 1024)
     with pytest.raises(SegmentOutOfBounds, match=r"segment 1: remote offset .* as registered"):
-        a.agent.read(a.mem, lying, [0, 64], [0, REGION_BYTES * 512], [16, 16])
-    a.agent.read(a.mem, lying, [0], [REGION_BYTES - 16], [16]).wait(timeout_s=30)  # inside: allowed
+        a.agent.read(a.mem, lying, TransferPlan([0, 64], [0, REGION_BYTES * 512], [16, 16]))
+    a.agent.read(a.mem, lying, TransferPlan([0], [REGION_BYTES - 16], [16])).wait(
+        timeout_s=30
+    )  # inside: allowed
     a.region[:16].copy_(torch.from_numpy(a.host[:16]))
     assert np.array_equal(a.bytes(), a.host), "a refused transfer changed memory"
 
@@ -225,7 +228,7 @@ def test_wait_times_out_then_completes_after_the_event_it_was_ordered_after(pair
         a.region[: fresh.size].copy_(fresh_dev)
         ready = torch.cuda.Event()
         ready.record(side)
-    x = a.agent.write(a.mem, b.mem, [0], [4096], [fresh.size], after=ready)
+    x = a.agent.write(a.mem, b.mem, TransferPlan([0], [4096], [fresh.size]), after=ready)
     assert not x.done()
     with pytest.raises(TransferTimeout):
         x.wait(timeout_s=0.05)
@@ -249,7 +252,7 @@ def test_concurrent_transfers_from_many_threads(pair: tuple[Side, Side]) -> None
         try:
             dst, src, sizes = plans[i]
             for _ in range(per_thread):
-                a.agent.read(a.mem, b.mem, dst, src, sizes).wait(timeout_s=30)
+                a.agent.read(a.mem, b.mem, TransferPlan(dst, src, sizes)).wait(timeout_s=30)
         except BaseException as exc:  # collected and re-raised in the test thread
             errors.append(exc)
 
@@ -268,6 +271,6 @@ def test_concurrent_transfers_from_many_threads(pair: tuple[Side, Side]) -> None
 @pytest.mark.timeout(60)
 def test_empty_transfer_completes(pair: tuple[Side, Side]) -> None:
     a, b = pair
-    x = a.agent.read(a.mem, b.mem, [], [], [])
+    x = a.agent.read(a.mem, b.mem, TransferPlan([], [], []))
     x.wait(timeout_s=5)
     assert x.done() and x.num_bytes == 0

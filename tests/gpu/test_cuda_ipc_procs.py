@@ -14,6 +14,7 @@ from cuda_ipc_peer import Peer, apply, pattern, random_segments
 
 from moriio_ray.errors import PeerLost
 from moriio_ray.transfer import TransferConfig, create_agent
+from moriio_ray.transfer.plan import TransferPlan
 
 torch = pytest.importorskip("torch")
 
@@ -61,13 +62,13 @@ def test_read_and_write_thousand_random_segments_through_ipc(procs: tuple[Local,
     # read: the local GPU pulls from the peer's memory
     expect_local = local.host.copy()
     apply(expect_local, remote_host, dst, src, sizes)
-    local.agent.read(local.mem, peer.mem, dst, src, sizes).wait(timeout_s=30)
+    local.agent.read(local.mem, peer.mem, TransferPlan(dst, src, sizes)).wait(timeout_s=30)
     assert np.array_equal(local.bytes(), expect_local)
     # write: the local GPU pushes into the peer's memory
     dst2, src2, sizes2 = random_segments(np.random.default_rng(6), 1000, REGION_BYTES, REGION_BYTES, 5000)
     expect_remote = remote_host.copy()
     apply(expect_remote, expect_local, dst2, src2, sizes2)
-    local.agent.write(local.mem, peer.mem, src2, dst2, sizes2).wait(timeout_s=30)
+    local.agent.write(local.mem, peer.mem, TransferPlan(src2, dst2, sizes2)).wait(timeout_s=30)
     got = peer.dump()
     bad = np.flatnonzero(got != expect_remote)
     assert bad.size == 0, f"{bad.size} bytes differ in the peer, first at {bad[:5]}"
@@ -76,21 +77,21 @@ def test_read_and_write_thousand_random_segments_through_ipc(procs: tuple[Local,
 @pytest.mark.timeout(180)
 def test_peer_killed_fails_new_and_in_flight_transfers_with_peer_lost(procs: tuple[Local, Peer]) -> None:
     local, peer = procs
-    seg = np.array([0], dtype=np.int64), np.array([0], dtype=np.int64), np.array([4096], dtype=np.int64)
-    local.agent.read(local.mem, peer.mem, *seg).wait(timeout_s=30)
+    seg = TransferPlan([0], [0], [4096])
+    local.agent.read(local.mem, peer.mem, seg).wait(timeout_s=30)
     # in flight: the copy waits on a long kernel of the local GPU while the peer dies
     side = torch.cuda.Stream(device=local.device)
     with torch.cuda.device(local.device), torch.cuda.stream(side):
         torch.cuda._sleep(1_000_000_000)
         gate = torch.cuda.Event()
         gate.record(side)
-    x = local.agent.read(local.mem, peer.mem, *seg, after=gate)
+    x = local.agent.read(local.mem, peer.mem, seg, after=gate)
     peer.kill()
     with pytest.raises(PeerLost):
         x.wait(timeout_s=20)
     assert x.done() and isinstance(x.error(), PeerLost)
     with pytest.raises(PeerLost):
-        local.agent.read(local.mem, peer.mem, *seg)
+        local.agent.read(local.mem, peer.mem, seg)
     local.agent.disconnect(peer.desc.key)  # waits for the gated copy before unmapping
     with pytest.raises(PeerLost, match="not connected"):
-        local.agent.read(local.mem, peer.mem, *seg)
+        local.agent.read(local.mem, peer.mem, seg)

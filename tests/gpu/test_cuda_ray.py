@@ -48,8 +48,10 @@ class Worker:
         """Read the peer's bytes [start, stop) into the same place here; return them from here."""
         import torch
 
+        from moriio_ray.transfer.plan import TransferPlan
+
         self.agent.connect(desc)
-        self.agent.read(self.mem, mem, [start], [start], [stop - start]).wait(timeout_s=30)
+        self.agent.read(self.mem, mem, TransferPlan([start], [start], [stop - start])).wait(timeout_s=30)
         torch.cuda.synchronize(self.device)
         return self.region[start:stop].cpu().numpy()
 

@@ -375,3 +375,11 @@ def make_agent(key: str, *, epoch: int = 1, timeout_s: float = 10.0, **mori_knob
 
     config = TransferConfig(backend="mori", timeout_s=timeout_s, mori=MoriConfig(**mori_knobs))
     return cpu_agent_class()(config, key, epoch=epoch)
+
+
+def live_transfers(agent: Any) -> int:
+    """Transfers a MoriAgent still keeps alive because MoRI may yet write their statuses (it drops
+    the others first, as its next transfer would)."""
+    with agent._lock:
+        agent._live = [t for t in agent._live if not t.statuses_terminal()]
+        return len(agent._live)

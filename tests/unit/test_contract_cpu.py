@@ -16,6 +16,7 @@ import torch
 
 from moriio_ray.config import TcpConfig
 from moriio_ray.errors import BackendUnavailable, ConfigError
+from moriio_ray.transfer.plan import TransferPlan
 from moriio_ray.transfer.shm import sweep_stale_segments
 from moriio_ray.transfer.shm_segment import SHM_DIR
 from tests.contract.harness import Harness, pattern
@@ -93,13 +94,13 @@ def test_tcp_staged_path_moves_the_same_bytes(uniform: bool) -> None:
         else:
             sz = rng.integers(1, 300_000, 20).astype(np.int64)
             lo, ro = random_offsets_for(rng, sz, 4 * MiB), random_offsets_for(rng, sz, 4 * MiB)
-        finish(a.read(ma, mb, lo, ro, sz))
+        finish(a.read(ma, mb, TransferPlan(lo, ro, sz)))
         ref = np.zeros(4 * MiB, np.uint8)
         for d, s, n in zip(lo.tolist(), ro.tolist(), sz.tolist(), strict=True):
             ref[d : d + n] = pattern(1, 4 * MiB)[s : s + n]
         assert np.array_equal(host(ta), ref)
         ta.copy_(torch.from_numpy(pattern(9, 4 * MiB)))
-        finish(a.write(ma, mb, lo, ro, sz))
+        finish(a.write(ma, mb, TransferPlan(lo, ro, sz)))
         ref = pattern(1, 4 * MiB)
         for d, s, n in zip(lo.tolist(), ro.tolist(), sz.tolist(), strict=True):
             ref[s : s + n] = pattern(9, 4 * MiB)[d : d + n]
@@ -111,7 +112,7 @@ def test_tcp_reuses_pooled_connections() -> None:
     with TcpHarness() as h:
         a, b, _, ma, _, mb = pair(h, MiB)
         for _ in range(20):
-            finish(a.read(ma, mb, [0], [0], [4096]))
+            finish(a.read(ma, mb, TransferPlan([0], [0], [4096])))
         served = b._server._conns  # type: ignore[attr-defined]
         assert 1 <= len(served) <= 4  # one hello per pooled connection, not one per request
 
@@ -143,12 +144,12 @@ def test_shm_close_unlinks_segments_and_tells_peers() -> None:
 
     with ShmHarness() as h:
         a, b, _, ma, _, mb = pair(h, MiB)
-        finish(a.read(ma, mb, [0], [0], [4096]))
+        finish(a.read(ma, mb, TransferPlan([0], [0], [4096])))
         assert len(_segments_of(os.getpid())) == 2
         b.close()
         assert len(_segments_of(os.getpid())) == 1
         with pytest.raises(Exception, match="closed its shared memory"):
-            a.read(ma, mb, [0], [0], [4096])
+            a.read(ma, mb, TransferPlan([0], [0], [4096]))
         a.close()
         assert _segments_of(os.getpid()) == []
 

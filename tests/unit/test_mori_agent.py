@@ -18,6 +18,7 @@ import torch
 from moriio_ray.errors import IncompatiblePeer, PeerLost, StaleDescriptor
 from moriio_ray.transfer import decode_engine_desc, decode_memory_desc, encode_desc
 from moriio_ray.transfer.mori_api import decode_peer_info
+from moriio_ray.transfer.plan import TransferPlan
 
 
 @pytest.fixture
@@ -46,7 +47,7 @@ def test_read_round_trip_scatter_gather(fabric):
     remote = np.array([3000, 0, 1024, 77], dtype=np.int64)
     local = np.array([0, 500, 2048, 3900], dtype=np.int64)
     sizes = np.array([96, 300, 1000, 150], dtype=np.int64)
-    x = d.read(d_mem, p_mem, local, remote, sizes)
+    x = d.read(d_mem, p_mem, TransferPlan(local, remote, sizes))
     x.wait(timeout_s=5.0)
     assert x.done() and x.error() is None and x.bytes_moved == int(sizes.sum())
     for lo, ro, n in zip(local, remote, sizes, strict=True):
@@ -66,7 +67,7 @@ def test_write_round_trip(fabric):
     src, _, p_mem, _ = _regions(p, d)
     target = torch.zeros(4096, dtype=torch.uint8)
     d_target = d.register(target)
-    x = p.write(p_mem, d_target, [0, 2048], [1024, 2048], [512, 2048])
+    x = p.write(p_mem, d_target, TransferPlan([0, 2048], [1024, 2048], [512, 2048]))
     x.wait(timeout_s=5.0)
     assert torch.equal(target[1024:1536], src[0:512])
     assert torch.equal(target[2048:4096], src[2048:4096])
@@ -80,10 +81,10 @@ def test_sessions_are_cached_per_region_pair(fabric):
     _, _, p_mem, d_mem = _regions(p, d)
     other = d.register(torch.zeros(1024, dtype=torch.uint8))
     for _ in range(3):
-        d.read(d_mem, p_mem, [0], [0], [64]).wait(5.0)
+        d.read(d_mem, p_mem, TransferPlan([0], [0], [64])).wait(5.0)
     assert len(fabric.methods(d.mori_key, "create_session")) == 1
-    d.read(other, p_mem, [0], [0], [64]).wait(5.0)
-    d.read(other, p_mem, [64], [64], [64]).wait(5.0)
+    d.read(other, p_mem, TransferPlan([0], [0], [64])).wait(5.0)
+    d.read(other, p_mem, TransferPlan([64], [64], [64])).wait(5.0)
     sessions = fabric.methods(d.mori_key, "create_session")
     assert [(loc.id, rem.id) for loc, rem in sessions] == [(1, 1), (2, 1)]
     assert len(fabric.methods(d.mori_key, "batch_read")) == 5
@@ -93,15 +94,15 @@ def test_sessions_are_cached_per_region_pair(fabric):
 def test_sessions_are_dropped_with_their_region_or_peer(fabric):
     p, d = _pair()
     _, _, p_mem, d_mem = _regions(p, d)
-    d.read(d_mem, p_mem, [0], [0], [64]).wait(5.0)
+    d.read(d_mem, p_mem, TransferPlan([0], [0], [64])).wait(5.0)
     d.disconnect(p.key)
     d.connect(p.engine_desc())
-    d.read(d_mem, p_mem, [0], [0], [64]).wait(5.0)
+    d.read(d_mem, p_mem, TransferPlan([0], [0], [64])).wait(5.0)
     assert len(fabric.methods(d.mori_key, "create_session")) == 2
     d.deregister(d_mem)
     assert fabric.methods(d.mori_key, "deregister_memory")[-1][0].id == 1
     d_mem2 = d.register(torch.zeros(4096, dtype=torch.uint8))
-    d.read(d_mem2, p_mem, [0], [0], [64]).wait(5.0)
+    d.read(d_mem2, p_mem, TransferPlan([0], [0], [64])).wait(5.0)
     assert len(fabric.methods(d.mori_key, "create_session")) == 3
 
 
@@ -181,7 +182,7 @@ def test_peer_without_mori_descriptor_is_refused(fabric):
 def test_empty_request_finishes_without_calling_mori(fabric):
     p, d = _pair()
     _, _, p_mem, d_mem = _regions(p, d)
-    x = d.read(d_mem, p_mem, [], [], [])
+    x = d.read(d_mem, p_mem, TransferPlan([], [], []))
     x.wait(timeout_s=1.0)
     assert x.done() and x.num_segments == 0
     assert not fabric.methods(d.mori_key, "batch_read")
@@ -193,7 +194,7 @@ def test_read_after_disconnect_raises_peer_lost(fabric):
     _, _, p_mem, d_mem = _regions(p, d)
     d.disconnect(p.key)
     with pytest.raises(PeerLost):
-        d.read(d_mem, p_mem, [0], [0], [8])
+        d.read(d_mem, p_mem, TransferPlan([0], [0], [8]))
 
 
 @pytest.mark.timeout(10)

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from moriio_ray.errors import PeerLost, TransferError
+from moriio_ray.transfer.plan import TransferPlan
 
 _TIMEOUT_S = 30.0  # transfer.timeout_s: none of these tests may come near it
 _FAST_S = 2.0  # a failure must surface within this, on a loaded 2-core machine
@@ -37,7 +38,7 @@ def _agents(*keys):
 def _read_from(d, p):
     src = p.register(torch.arange(256, dtype=torch.uint8))
     dst = d.register(torch.zeros(256, dtype=torch.uint8))
-    return d.read(dst, src, [0], [0], [64])
+    return d.read(dst, src, TransferPlan([0], [0], [64]))
 
 
 def _wait_in_thread(transfer):
@@ -76,7 +77,7 @@ def test_reported_peer_failure_fails_its_transfers_at_once(fabric):
     y.wait(timeout_s=5.0)
     assert y.error() is None
     # x's status stayed referenced until MoRI finished writing it
-    assert fabric.dangling == 0 and d.live_transfers() == 0
+    assert fabric.dangling == 0 and fake_mori.live_transfers(d) == 0
 
 
 @pytest.mark.timeout(15)

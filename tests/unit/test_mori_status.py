@@ -17,6 +17,7 @@ import torch
 
 from moriio_ray.errors import PeerLost, SegmentOutOfBounds, TransferError, TransferTimeout
 from moriio_ray.transfer.mori_status import status_error
+from moriio_ray.transfer.plan import TransferPlan
 
 SC = fake_mori.StatusCode
 
@@ -64,7 +65,7 @@ def _wait_in_thread(transfer, timeout_s):
 def test_failure_codes_raise_typed_errors_with_moris_message(fabric, code, error):
     _, d, _, _, p_mem, d_mem = _setup()
     fabric.fail_next = (code, "ibv_post_send: Cannot allocate memory")
-    x = d.read(d_mem, p_mem, [0], [0], [16])
+    x = d.read(d_mem, p_mem, TransferPlan([0], [0], [16]))
     assert x.done()
     with pytest.raises(TransferError) as info:
         x.wait(timeout_s=1.0)
@@ -77,7 +78,7 @@ def test_failure_codes_raise_typed_errors_with_moris_message(fabric, code, error
 def test_not_found_means_the_peer_is_gone(fabric):
     p, d, _, _, p_mem, d_mem = _setup()
     p.deregister(p_mem)  # MoRI no longer knows the remote region
-    x = d.read(d_mem, p_mem, [0], [0], [16])
+    x = d.read(d_mem, p_mem, TransferPlan([0], [0], [16]))
     with pytest.raises(PeerLost, match=r"ERR_NOT_FOUND.*reconnect"):
         x.wait(timeout_s=1.0)
 
@@ -99,7 +100,7 @@ def test_unknown_code_still_names_itself():
 @pytest.mark.timeout(10)
 def test_wait_times_out_then_the_transfer_goes_on(fabric):
     _, d, src, dst, p_mem, d_mem = _setup()
-    x = d.read(d_mem, p_mem, [0], [512], [256])
+    x = d.read(d_mem, p_mem, TransferPlan([0], [512], [256]))
     with pytest.raises(TransferTimeout, match=r"256 bytes in 1 segments.*within 0.05 s; it goes on"):
         x.wait(timeout_s=0.05)
     assert not x.done() and x.error() is None
@@ -111,7 +112,7 @@ def test_wait_times_out_then_the_transfer_goes_on(fabric):
 @pytest.mark.timeout(10)
 def test_waiter_wakes_on_completion_from_another_thread(fabric):
     _, d, _, _, p_mem, d_mem = _setup()
-    x = d.read(d_mem, p_mem, [0], [0], [64])
+    x = d.read(d_mem, p_mem, TransferPlan([0], [0], [64]))
     thread, outcome = _wait_in_thread(x, 5.0)
     fabric.complete()
     thread.join(timeout=5.0)
@@ -121,7 +122,7 @@ def test_waiter_wakes_on_completion_from_another_thread(fabric):
 @pytest.mark.timeout(10)
 def test_wait_goes_through_wait_all_in_short_slices(fabric):
     _, d, _, _, p_mem, d_mem = _setup()
-    x = d.read(d_mem, p_mem, [0], [0], [64])
+    x = d.read(d_mem, p_mem, TransferPlan([0], [0], [64]))
     with pytest.raises(TransferTimeout):
         x.wait(timeout_s=0.12)
     waits = fabric.methods(d.mori_key, "wait_all")
@@ -134,14 +135,14 @@ def test_wait_goes_through_wait_all_in_short_slices(fabric):
 @pytest.mark.timeout(10)
 def test_statuses_stay_alive_until_terminal_after_the_caller_drops_them(fabric):
     _, d, _, _, p_mem, d_mem = _setup()
-    x = d.read(d_mem, p_mem, [0], [0], [64])
+    x = d.read(d_mem, p_mem, TransferPlan([0], [0], [64]))
     status_ref = weakref.ref(x.statuses[0])
     del x
     gc.collect()
-    assert status_ref() is not None and d.live_transfers() == 1
+    assert status_ref() is not None and fake_mori.live_transfers(d) == 1
     fabric.complete()
     assert fabric.dangling == 0
-    assert d.live_transfers() == 0
+    assert fake_mori.live_transfers(d) == 0
     gc.collect()
     assert status_ref() is None
 
@@ -160,7 +161,7 @@ def test_the_fake_detects_a_freed_status(fabric):
 @pytest.mark.timeout(10)
 def test_disconnect_fails_in_flight_transfers_and_keeps_their_statuses(fabric):
     p, d, _, _, p_mem, d_mem = _setup()
-    x = d.read(d_mem, p_mem, [0], [0], [64])
+    x = d.read(d_mem, p_mem, TransferPlan([0], [0], [64]))
     thread, outcome = _wait_in_thread(x, 5.0)
     d.disconnect(p.key)
     thread.join(timeout=5.0)
@@ -168,15 +169,15 @@ def test_disconnect_fails_in_flight_transfers_and_keeps_their_statuses(fabric):
     assert x.done() and isinstance(x.error(), PeerLost)
     del x
     gc.collect()
-    assert d.live_transfers() == 1  # MoRI may still write the status
+    assert fake_mori.live_transfers(d) == 1  # MoRI may still write the status
     fabric.complete()
-    assert fabric.dangling == 0 and d.live_transfers() == 0
+    assert fabric.dangling == 0 and fake_mori.live_transfers(d) == 0
 
 
 @pytest.mark.timeout(10)
 def test_close_keeps_the_engine_while_statuses_are_live(fabric):
     _, d, _, _, p_mem, d_mem = _setup()
-    x = d.read(d_mem, p_mem, [0], [0], [64])
+    x = d.read(d_mem, p_mem, TransferPlan([0], [0], [64]))
     d.close()
     assert isinstance(x.error(), PeerLost)
     assert isinstance(d._engine, fake_mori.IOEngine)
@@ -187,11 +188,11 @@ def test_close_keeps_the_engine_while_statuses_are_live(fabric):
 @pytest.mark.timeout(10)
 def test_a_lost_completion_ends_at_the_transfer_deadline(fabric):
     _, d, _, _, p_mem, d_mem = _setup(timeout_s=0.2)
-    x = d.read(d_mem, p_mem, [0], [0], [64])
+    x = d.read(d_mem, p_mem, TransferPlan([0], [0], [64]))
     with pytest.raises(TransferTimeout, match=r"deadline \(transfer.timeout_s = 0.2 s\)"):
         x.wait()  # no caller timeout: MoRI never completes, the transfer's own deadline ends it
     assert x.done() and isinstance(x.error(), TransferTimeout) and x.bytes_moved == 0
-    assert d.live_transfers() == 1  # the status is still MoRI's to write
+    assert fake_mori.live_transfers(d) == 1  # the status is still MoRI's to write
     fabric.complete()
-    assert fabric.dangling == 0 and d.live_transfers() == 0
+    assert fabric.dangling == 0 and fake_mori.live_transfers(d) == 0
     assert isinstance(x.error(), TransferTimeout)  # a late completion does not revive it

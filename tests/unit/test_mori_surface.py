@@ -23,6 +23,7 @@ from mori_surface import ClassSurface, Signature, Surface, read_surface
 
 from moriio_ray.errors import PeerLost, TransferError
 from moriio_ray.transfer.mori_status import MAPPED_STATUS_CODES
+from moriio_ray.transfer.plan import TransferPlan
 
 pytestmark = pytest.mark.timeout(240)  # the first test may download the wheel (10 MB)
 
@@ -164,27 +165,27 @@ def _scenarios(fabric: fake_mori.Fabric) -> None:
     d.connect(p.engine_desc())
     src = p.register(torch.arange(256, dtype=torch.uint8))
     dst = d.register(torch.zeros(256, dtype=torch.uint8))
-    x = d.read(dst, src, [0, 100], [10, 200], [20, 30])
+    x = d.read(dst, src, TransferPlan([0, 100], [10, 200], [20, 30]))
     with pytest.raises(TransferError):
         x.wait(timeout_s=0.06)  # still running: waits through wait_all
     fabric.complete()
     x.wait(timeout_s=5.0)
     p.connect(d.engine_desc())
-    w = p.write(src, dst, [0], [0], [16])
+    w = p.write(src, dst, TransferPlan([0], [0], [16]))
     fabric.complete()
     w.wait(timeout_s=5.0)
     fabric.fail_next = (fake_mori.StatusCode.ERR_RDMA_OP, "injected")
     with pytest.raises(TransferError, match="ERR_RDMA_OP"):
-        d.read(dst, src, [0], [0], [8]).wait(timeout_s=1.0)
-    y = d.read(dst, src, [0], [0], [8])
+        d.read(dst, src, TransferPlan([0], [0], [8])).wait(timeout_s=1.0)
+    y = d.read(dst, src, TransferPlan([0], [0], [8]))
     fabric.fail_peer(p.mori_key)
     with pytest.raises(PeerLost):
         y.wait(timeout_s=5.0)
     with pytest.raises(PeerLost):
-        d.read(dst, src, [0], [0], [8])  # the fresh session is not alive
+        d.read(dst, src, TransferPlan([0], [0], [8]))  # the fresh session is not alive
     q = fake_mori.make_agent("prefill-1")
     d.connect(q.engine_desc())
-    z = d.read(dst, q.register(torch.zeros(64, dtype=torch.uint8)), [0], [0], [8])
+    z = d.read(dst, q.register(torch.zeros(64, dtype=torch.uint8)), TransferPlan([0], [0], [8]))
     local = fake_mori.PeerFailureEvent("", fake_mori.PeerFailureReason.LOCAL_QP_ERROR, 1, 1, "rdma0", "qp")
     fabric.push_failure(d.mori_key, local)
     with pytest.raises(TransferError, match="LOCAL_QP_ERROR"):

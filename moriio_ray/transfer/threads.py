@@ -9,7 +9,7 @@ from collections.abc import Callable
 _JOIN_S = 2.0
 
 
-class Workers:
+class ThreadPool:
     """A fixed set of daemon threads that run submitted jobs; ``close`` joins them with a timeout."""
 
     def __init__(self, num_threads: int, name: str) -> None:
