@@ -14,7 +14,7 @@ import asyncio
 import logging
 import threading
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from moriio_ray import env
 from moriio_ray.config import PipelineConfig
@@ -23,9 +23,10 @@ from moriio_ray.errors import InvalidRequest, MoriioRayError
 from moriio_ray.protocol.messages import RankDesc, Role
 from moriio_ray.transfer import create_agent
 from moriio_ray.transfer.plan import PullItem
-from moriio_ray.worker.push import LayerPusher, PushOrder, push_targets
-from moriio_ray.worker.ranks import end_process
-from moriio_ray.worker.tp_transfer import issue_reads, wait_all
+
+if TYPE_CHECKING:  # these load torch: imported where used, in the rank's own process, so that
+    from moriio_ray.worker.push import LayerPusher, PushOrder  # building the actor class (the
+    # coordinator does) loads none of it
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +93,8 @@ class RankWorker:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # this thread builds the rank on its own GPU
         store = dist.TCPStore(host, port, is_master=False, timeout=JOIN_TIMEOUT)
+        from moriio_ray.worker.ranks import end_process
+
         tp = init_group(self.rank, self.size, store, self.device, on_broken=end_process)
         self.engine = RankEngine(
             self.config.model,
@@ -140,6 +143,8 @@ class RankWorker:
 
         Waits until they have ended (at most ``timeout_s``): rank 0 quarantines the blocks
         behind this call when it gives up earlier."""
+        from moriio_ray.worker.tp_transfer import issue_reads, wait_all
+
         xfers = issue_reads(self.agent, self.engine.kv_mem, items)
         await asyncio.to_thread(wait_all, xfers, timeout_s)
         return sum(x.num_bytes for x in xfers)
@@ -148,6 +153,8 @@ class RankWorker:
         """WRITE: push this rank's heads of ``order.request_id``'s prefill, layer by layer, into D's
         ranks (none after ``order.last_push_unix``; none of the blocks before ``order.first_block``,
         which D holds)."""
+        from moriio_ray.worker.push import LayerPusher, push_targets
+
         engine = self.engine
         targets = push_targets(engine.layout, order.peer_ranks)
         for target in targets:

@@ -64,7 +64,8 @@ def test_the_coordinators_spawn_path_loads_no_torch() -> None:
     loaded = _modules_after(
         "import moriio_ray.coordinator.actor\n"
         "from moriio_ray.worker.actor import make_actor_class\n"
-        "make_actor_class()"
+        "from moriio_ray.worker.rank_actor import make_rank_actor_class\n"
+        "make_actor_class(), make_rank_actor_class()"
     )
     assert "ray" in loaded and "moriio_ray.worker.actor" in loaded  # the path did run
     heavy = {
