@@ -26,6 +26,8 @@ from typing import Any, Protocol
 import msgspec
 
 from moriio_ray.serve.admission import Admission, Slot
+from moriio_ray.serve.choices import phases
+from moriio_ray.serve.choices import sources as choice_sources
 from moriio_ray.serve.errors import (
     APIError,
     bad_request,
@@ -37,7 +39,7 @@ from moriio_ray.serve.errors import (
 from moriio_ray.serve.openai import ChatCompletionRequest, CompletionRequest, parse_request
 from moriio_ray.serve.prepare import Limits, Prepared, TokenizerLike, prepare_chat, prepare_completion
 from moriio_ray.serve.responses import ChatFormat, CompletionFormat
-from moriio_ray.serve.stream import Deadline, Format, Merged, Source, gather_all, sse_frames, whole_body
+from moriio_ray.serve.stream import Deadline, Format, Source, gather_all, sse_frames, whole_body
 from moriio_ray.serve.tokenize import detokenize, tokenize
 
 log = logging.getLogger(__name__)
@@ -223,7 +225,7 @@ class OpenAIServer:
         opened: list[AsyncIterator[Any] | None] = [None] * len(live)
         firsts: list[Any] = [None] * len(live)
         try:
-            for phase in _phases(choices, self._shares_prefill):
+            for phase in phases(choices, self._shares_prefill):
                 for i in phase:
                     opened[i] = self.pipe.stream_request(live[i])
                 got = await gather_all([deadline.next(opened[i]) for i in phase])  # type: ignore[arg-type]
@@ -235,7 +237,7 @@ class OpenAIServer:
                 raise from_exception(exc, validating=False, request_id=fmt.id) from None
             raise
         streams = [s for s in opened if s is not None]
-        sources = _sources(choices, firsts, streams)
+        sources = choice_sources(choices, firsts, streams)
         if stream:
             return self._stream_reply(fmt, sources, streams, deadline, include_usage, slot)
         try:
@@ -349,61 +351,6 @@ async def _close(
             await stream.aclose()  # type: ignore[attr-defined]
     finally:
         slot.release()
-
-
-def _phases(choices: list[tuple[Prepared, Any]], shares_prefill: bool) -> list[list[int]]:
-    """The order in which the live choices (indices among them) start. With a prefix cache, a
-    prompt's first choice goes alone first: once its first token is out, the prompt's blocks are
-    cached and its other choices find them there, so ``n`` samples cost one prefill (and a
-    partial last block each). Without one, every choice starts at once."""
-    groups: dict[int, list[int]] = {}  # prompt -> its live choices
-    live = [prepared for prepared, req in choices if req is not None]
-    for i, prepared in enumerate(live):
-        groups.setdefault(id(prepared), []).append(i)
-    everyone = list(range(len(live)))
-    rest = [i for g in groups.values() for i in g[1:]]
-    if not shares_prefill or not rest:
-        return [everyone]
-    return [[g[0] for g in groups.values()], rest]
-
-
-def _sources(
-    choices: list[tuple[Prepared, Any]], firsts: list[Any], streams: list[AsyncIterator[Any]]
-) -> list[Source]:
-    """A ``Source`` per choice: its first event and stream, and its echo."""
-    out: list[Source] = []
-    live = iter(zip(firsts, streams, strict=True))
-    seen: set[int] = set()
-    for prepared, req in choices:
-        counts_prompt = id(prepared) not in seen
-        seen.add(id(prepared))
-        first, events = next(live) if req is not None else (None, None)
-        prefix = None if prepared.echo is None else _echo(prepared, first)
-        if req is None or prepared.discard:  # echo alone (max_tokens 0): the prompt is the choice
-            assert prefix is not None
-            prefix.finished, prefix.finish_reason = True, "length"
-            out.append(Source(prefix, None, None, counts_prompt))
-            continue
-        assert first is not None
-        out.append(Source(first, events, prefix, counts_prompt))
-    return out
-
-
-def _echo(prepared: Prepared, first: Any) -> Merged:
-    """The prompt in front of a choice: its text and, when the first event carries them, its
-    tokens' log probabilities and alternatives (then the tokens are listed too)."""
-    prompt_logprobs = getattr(first, "prompt_logprobs", None)
-    return Merged(
-        token_ids=list(prepared.token_ids) if prompt_logprobs is not None else [],
-        text=prepared.echo or "",
-        logprobs=prompt_logprobs.logprobs if prompt_logprobs is not None else None,
-        finished=False,
-        finish_reason=None,
-        num_prompt_tokens=len(prepared.token_ids),
-        num_output_tokens=0,
-        num_cached_tokens=getattr(first, "num_cached_tokens", 0),
-        top_logprobs=prompt_logprobs.top if prompt_logprobs is not None else None,
-    )
 
 
 def _with_ignored(reply: Reply, ignored: list[str]) -> Reply:
