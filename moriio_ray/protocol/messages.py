@@ -74,7 +74,20 @@ class GenRequest(msgspec.Struct, frozen=True, kw_only=True):
     sample_offset: int = 0
 
 
-class KVHandle(msgspec.Struct, frozen=True, kw_only=True):
+class Prefilled(msgspec.Struct, frozen=True, kw_only=True):
+    """What P's reply to the caller carries in either mode: the first token, sampled on P."""
+
+    first_token: int
+    first_logprob: float | None
+    first_top_logprobs: list[tuple[int, float]] | None = None  # the first token's alternatives
+    prompt_logprobs: PromptLogprobs | None = None
+    finish_reason: str | None = None  # set: the first token already ended the request
+    num_cached_tokens: int = 0  # prompt tokens P found in its prefix cache (not computed)
+    prefill_done_unix: float
+    prefill_s: float
+
+
+class KVHandle(Prefilled, frozen=True, kw_only=True):
     """READ mode: what P returns after prefill. D reads ``block_ids`` from P before the lease ends."""
 
     transfer_id: str
@@ -82,15 +95,7 @@ class KVHandle(msgspec.Struct, frozen=True, kw_only=True):
     epoch: int
     block_ids: list[int]  # empty when the first token already ended the request (nothing leased)
     num_tokens: int
-    num_cached_tokens: int = 0  # prompt tokens P found in its prefix cache (not computed)
-    first_token: int
-    first_logprob: float | None
     lease_deadline_unix: float
-    prefill_done_unix: float
-    prefill_s: float
-    finish_reason: str | None = None  # set: the first token already ended the request
-    first_top_logprobs: list[tuple[int, float]] | None = None  # the first token's alternatives
-    prompt_logprobs: PromptLogprobs | None = None
 
 
 class Reservation(msgspec.Struct, frozen=True, kw_only=True):
@@ -104,21 +109,13 @@ class Reservation(msgspec.Struct, frozen=True, kw_only=True):
     num_cached_blocks: int = 0  # the first blocks already hold the prompt's KV (D's prefix cache)
 
 
-class PushResult(msgspec.Struct, frozen=True, kw_only=True):
+class PushResult(Prefilled, frozen=True, kw_only=True):
     """WRITE mode: what P returns once every layer has landed in D's reserved blocks."""
 
     request_id: str
-    first_token: int
-    first_logprob: float | None
-    prefill_done_unix: float
-    prefill_s: float
     push_wait_s: float  # time P waited for pushes after the last layer was computed
     num_bytes: int
     num_segments: int
-    finish_reason: str | None = None
-    num_cached_tokens: int = 0  # prompt tokens P found in its prefix cache (not computed)
-    first_top_logprobs: list[tuple[int, float]] | None = None
-    prompt_logprobs: PromptLogprobs | None = None
 
 
 Handoff = KVHandle | PushResult  # what P hands to D

@@ -268,30 +268,21 @@ class OpenAIServer:
             timer.cancel()
             await _close(events, slot, frames)
 
-        timer = asyncio.get_running_loop().call_later(STREAM_START_TIMEOUT_S, abandon)
-        frames = self._frames(fmt, sources, events, deadline, include_usage, slot, timer.cancel)
-        return StreamReply(frames=frames, close=close, begin=timer.cancel)
+        async def sse() -> AsyncIterator[bytes]:
+            timer.cancel()
+            inner = sse_frames(
+                fmt, sources, deadline, interval=self.stream_interval, include_usage=include_usage
+            )
+            try:
+                async for frame in inner:
+                    yield frame
+            finally:
+                await inner.aclose()  # type: ignore[attr-defined]
+                await _close(events, slot)
 
-    async def _frames(
-        self,
-        fmt: Format,
-        sources: list[Source],
-        events: list[AsyncIterator[Any]],
-        deadline: Deadline,
-        include_usage: bool,
-        slot: Slot,
-        begin: Callable[[], None],
-    ) -> AsyncIterator[bytes]:
-        begin()
-        frames = sse_frames(
-            fmt, sources, deadline, interval=self.stream_interval, include_usage=include_usage
-        )
-        try:
-            async for frame in frames:
-                yield frame
-        finally:
-            await frames.aclose()  # type: ignore[attr-defined]
-            await _close(events, slot)
+        timer = asyncio.get_running_loop().call_later(STREAM_START_TIMEOUT_S, abandon)
+        frames = sse()
+        return StreamReply(frames=frames, close=close, begin=timer.cancel)
 
     # -- the rest -------------------------------------------------------------------------------
 

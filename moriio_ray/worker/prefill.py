@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Any
 
 from moriio_ray import metrics
 from moriio_ray.engine.batch import PrefillChunk
@@ -54,20 +55,13 @@ class PrefillSide:
             peer = await c.peers.get(to.key, to.epoch) if to is not None else None
             pre, reason, prefill_s = await self._prefill(rec, req)
             handle = KVHandle(
+                **_first(pre, reason, prefill_s, time.time()),
                 transfer_id=req.request_id,
                 engine_key=c.key,
                 epoch=c.epoch,
                 block_ids=pre.block_ids,
                 num_tokens=pre.num_tokens,
-                num_cached_tokens=pre.num_cached_tokens,
-                first_token=pre.first_token,
-                first_logprob=pre.first_logprob,
-                first_top_logprobs=pre.first_top_logprobs,
-                prompt_logprobs=pre.prompt_logprobs,
                 lease_deadline_unix=pre.lease_deadline_unix,
-                prefill_done_unix=time.time(),
-                prefill_s=prefill_s,
-                finish_reason=reason,
             )
             if peer is not None and reason is None:  # (a first token that ends it leases nothing)
                 self._handed.add(handle.transfer_id)
@@ -135,18 +129,11 @@ class PrefillSide:
                     num_bytes, prefill_s, num_segments, backend=c.agent.name, role=c.role.value
                 )
             result = PushResult(
+                **_first(pre, reason, prefill_s, done_unix),
                 request_id=req.request_id,
-                first_token=pre.first_token,
-                first_logprob=pre.first_logprob,
-                first_top_logprobs=pre.first_top_logprobs,
-                prompt_logprobs=pre.prompt_logprobs,
-                prefill_done_unix=done_unix,
-                prefill_s=prefill_s,
                 push_wait_s=time.perf_counter() - t0,
                 num_bytes=num_bytes,
                 num_segments=num_segments,
-                finish_reason=reason,
-                num_cached_tokens=pre.num_cached_tokens,
             )
             ok = True  # every push has landed: the result tells D so (and ends its reservation)
             send(peer.actor.deliver, req, result, caller)  # outside this call's lineage
@@ -247,3 +234,17 @@ class PrefillSide:
             rec = self.core.table.by_engine(chunk.request_id)
             if rec is not None and rec.pusher is not None:
                 rec.pusher.on_layer(layer, chunk, self.core.engine.prefill_blocks(chunk.request_id))
+
+
+def _first(pre: PrefillResult, reason: str | None, prefill_s: float, done_unix: float) -> dict[str, Any]:
+    """The fields of P's reply that tell the first token (``Prefilled``), in either mode."""
+    return {
+        "first_token": pre.first_token,
+        "first_logprob": pre.first_logprob,
+        "first_top_logprobs": pre.first_top_logprobs,
+        "prompt_logprobs": pre.prompt_logprobs,
+        "finish_reason": reason,
+        "num_cached_tokens": pre.num_cached_tokens,
+        "prefill_done_unix": done_unix,
+        "prefill_s": prefill_s,
+    }
