@@ -128,8 +128,17 @@ class DecodeSide:
         if isinstance(source, PushResult):
             lease.free()  # P holds nothing for D
         # the request's own task: a cancel (the caller's abort) stops it, not this call
-        rec.task = c.spawn(self._run(rec, req, source, handoff_unix, lease))
+        rec.task = task = c.spawn(self._run(rec, req, source, handoff_unix, lease))
+        task.add_done_callback(lambda _t: self._ended(rec, task, lease))
         await asyncio.shield(lease.freed)
+
+    def _ended(self, rec: WorkerRequest, task: asyncio.Task[None], lease: _Lease) -> None:
+        """A task cancelled before it ran never reached its own clean-up: do it here."""
+        if rec.task is task:
+            rec.task = None
+            self.core.discard(rec)
+        if not lease.held:
+            lease.free()
 
     async def _run(
         self, rec: WorkerRequest, req: GenRequest, source: Handoff, handoff_unix: float, lease: _Lease
