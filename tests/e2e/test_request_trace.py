@@ -5,9 +5,8 @@ with the profile hook in every process, sends three warm-ups, then one streamed 
 in a recording window and an idle window of the same length. The trace runs once per mode and both
 tests of that mode read it.
 
-``TODAY`` is what the request path costs now; ``GOAL`` is the target (≤ 2 Ray calls per request,
-WRITE needing the reservation). READ and WRITE miss it until the one-call request path lands: their
-goal cases are strict xfails, so that the marker has to go when it does.
+``BEFORE`` is what the request path cost before the caller made one call per request; ``GOAL`` is
+the bound now (READ: the caller's call to P and P's hand-over to D; WRITE: plus P's reservation on D).
 """
 
 from __future__ import annotations
@@ -21,14 +20,13 @@ from tests.request_trace import run_mode
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny_1p1d_cpu.yaml"
 MODES = ("read", "write", "colocated")
-TODAY = {"read": 4, "write": 4, "colocated": 1}
+BEFORE = {"read": 4, "write": 4, "colocated": 1}
 GOAL = {"read": 2, "write": 3, "colocated": 1}
 SERVING_KINDS = {
     "read": ("ingress", "prefill", "decode"),
     "write": ("ingress", "prefill", "decode"),
     "colocated": ("ingress", "colocated"),
 }
-NOT_YET = pytest.mark.xfail(strict=True, reason="the one-call request path is not merged yet")
 
 
 class Traces:
@@ -58,7 +56,7 @@ def traces() -> Traces:
 @pytest.mark.parametrize("mode", MODES)
 def test_trace_sees_the_request(traces: Traces, mode: str) -> None:
     """The hook saw every serving process run project code for the request, the idle window took
-    background work out, and the request costs no more Ray calls than today."""
+    background work out, and the request costs no more Ray calls than before."""
     report = traces.get(mode)
     assert not report["warnings"], report["warnings"]
     one = report["one_request"]
@@ -67,15 +65,15 @@ def test_trace_sees_the_request(traces: Traces, mode: str) -> None:
     assert one["idle_functions"] > 0, "the idle window recorded nothing: the subtraction did nothing"
     assert one["functions"] > 0 and one["files"] > 0
     calls = one["ray_calls"]
-    assert calls["total"] <= TODAY[mode], calls
+    assert calls["total"] <= BEFORE[mode], calls
     assert calls["from_caller"] >= 1, calls
     assert one["output_items"] >= 1, one
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(
-    "mode", [pytest.param("read", marks=NOT_YET), pytest.param("write", marks=NOT_YET), "colocated"]
-)
+@pytest.mark.parametrize("mode", MODES)
 def test_ray_calls_per_request(traces: Traces, mode: str) -> None:
+    """One call from the caller per request; the workers forward the rest."""
     calls = traces.get(mode)["one_request"]["ray_calls"]
     assert calls["total"] <= GOAL[mode], calls["by_method"]
+    assert calls["from_caller"] == 1, calls["by_method"]
