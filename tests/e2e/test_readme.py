@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from moriio_ray.serve.process import ServeProcess
+from bench.launch import ServeProcess
 from tests.e2e.serving import running
 
 ROOT = Path(__file__).resolve().parents[2]
