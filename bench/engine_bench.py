@@ -38,12 +38,12 @@ from moriio_ray.engine.engine import Engine
 from moriio_ray.engine.sampling import SamplingParams
 
 # what --shaping puts on every request: the penalties and a logit bias
-SHAPING: dict[str, Any] = {
-    "presence_penalty": 0.5,
-    "frequency_penalty": 0.5,
-    "repetition_penalty": 1.1,
-    "logit_bias": {token: 1.0 for token in range(0, 256, 16)},
-}
+SHAPING: dict[str, Any] = dict(
+    presence_penalty=0.5,
+    frequency_penalty=0.5,
+    repetition_penalty=1.1,
+    logit_bias={t: 1.0 for t in range(0, 256, 16)},
+)
 
 
 def sync(device: torch.device) -> None:
@@ -161,10 +161,8 @@ def closed_loop(make: Callable[[], Engine], a: argparse.Namespace) -> dict[str, 
     """``--concurrency`` in flight, ``--num-requests`` in all, of random prompt and output lengths."""
     engine, rng = make(), random.Random(0)
     clock, started = Clock(engine), 0
-    specs = [
-        (_prompt(rng, rng.randint(*a.prompt_range)), rng.randint(*a.output_range))
-        for _ in range(a.num_requests)
-    ]
+    lens = [(rng.randint(*a.prompt_range), rng.randint(*a.output_range)) for _ in range(a.num_requests)]
+    specs = [(_prompt(rng, n), out) for n, out in lens]
     t0 = time.perf_counter()
     while len(clock.finished) < a.num_requests:
         while started < a.num_requests and started - len(clock.finished) < a.concurrency:
@@ -173,12 +171,9 @@ def closed_loop(make: Callable[[], Engine], a: argparse.Namespace) -> dict[str, 
             started += 1
         clock.step()
     elapsed, ids = time.perf_counter() - t0, [f"c{i}" for i in range(a.num_requests)]
-    return {
-        "generated_tok_s": sum(len(clock.stamps[rid]) for rid in ids) / elapsed,
-        "prompt_tok_s": sum(len(p) for p, _ in specs) / elapsed,
-        "tpot_ms": _ms(clock.gaps(ids, t0, float("inf"))),
-        "steps": len(clock.steps),
-    }
+    rates = {"generated_tok_s": sum(len(clock.stamps[rid]) for rid in ids) / elapsed}
+    rates["prompt_tok_s"] = sum(len(p) for p, _ in specs) / elapsed
+    return {**rates, "tpot_ms": _ms(clock.gaps(ids, t0, float("inf"))), "steps": len(clock.steps)}
 
 
 def turns(runs: dict[str, Callable[[], dict[str, Any]]], repeats: int) -> dict[str, list[dict[str, Any]]]:
@@ -259,9 +254,7 @@ def throughput(a: argparse.Namespace) -> tuple[dict[str, Any], Callable[[Any, Pa
             for k, name in enumerate(names):
                 xs = [i + 0.8 / len(names) * k for i in range(len(batches))]
                 ax.bar(xs, [r[name][key] for r in results], width=0.8 / len(names), label=name)
-            ax.set(
-                xticks=range(len(batches)), xticklabels=batches, xlabel="batch size", ylabel=key, yscale="log"
-            )
+            ax.set(xticks=range(len(batches)), xticklabels=batches, ylabel=key, yscale="log")
             ax.legend()
 
     return {"engine_build_s": built_s, "results": results}, plot
@@ -272,11 +265,8 @@ def scenario(a: argparse.Namespace) -> tuple[dict[str, Any], Callable[[Any, Path
     if long:  # a running request may decode one token per step of the whole prefill (1-token chunks)
         max_len = a.long_prompt_len + 256
         num_seqs = a.running + 1
-        num_blocks = (
-            blocks(a.long_prompt_len + 64, a.block_size)
-            + a.running * blocks(a.running_prompt_len + a.long_prompt_len + 128, a.block_size)
-            + 16
-        )
+        per_seq = blocks(a.running_prompt_len + a.long_prompt_len + 128, a.block_size)
+        num_blocks = blocks(a.long_prompt_len + 64, a.block_size) + a.running * per_seq + 16
     else:
         max_len, num_seqs = a.prompt_range[1] + a.output_range[1] + 8, a.concurrency
         num_blocks = a.concurrency * blocks(max_len, a.block_size) + 16
@@ -288,13 +278,8 @@ def scenario(a: argparse.Namespace) -> tuple[dict[str, Any], Callable[[Any, Path
         ]
     runs: dict[str, Callable[[], dict[str, Any]]] = {}
     for name, kw in configs:
-        make = functools.partial(
-            build,
-            a,
-            max_len,
-            num_blocks,
-            **{"max_num_seqs": num_seqs, "max_num_batched_tokens": max(a.unchunked_budget, num_seqs), **kw},
-        )
+        kw = {"max_num_seqs": num_seqs, "max_num_batched_tokens": max(a.unchunked_budget, num_seqs), **kw}
+        make = functools.partial(build, a, max_len, num_blocks, **kw)
         runs[name] = functools.partial(long_prompt if long else closed_loop, make, a)
     samples = turns(runs, a.repeats)
     results: dict[str, dict[str, Any]] = {
@@ -318,7 +303,8 @@ def scenario(a: argparse.Namespace) -> tuple[dict[str, Any], Callable[[Any, Path
         left.set(
             xlabel="s since the long prompt arrived", ylabel="a running request's gap (ms)", yscale="log"
         )
-        left.legend(fontsize=8)
+        if long:
+            left.legend(fontsize=8)
 
     return {"results": results}, plot
 

@@ -17,7 +17,15 @@ def _ms(seconds: float | None) -> str:
 
 
 def _x(ratio: float | None) -> str:
-    return "" if ratio is None else f" ({ratio:.2f}x)"
+    return "" if ratio is None else f"({ratio:.2f}x)"
+
+
+def _pq(stat: dict[str, Any] | None) -> str:
+    return "" if not stat else f"{_ms(stat['p50'])} / {_ms(stat['p99'])}"
+
+
+def _timings(cell: dict[str, Any]) -> dict[str, Any]:
+    return dict((cell.get("summary") or {}).get("timings", {}))
 
 
 def _div(a: float | None, b: float | None) -> float | None:
@@ -79,40 +87,37 @@ def goals(report: dict[str, Any], rules: list[dict[str, Any]] | None = None) -> 
     """Each goal of bench/goals.json for each series it names, as far as the run's cells allow
     (``met`` None: not decidable here; a goal whose load or prompt the grid lacks is left out)."""
     out: list[dict[str, Any]] = []
-    first = loads(report)[0] if loads(report) else None
+    first, cells = next(iter(loads(report)), None), report.get("cells", [])
     decode = (report.get("engine_decode_only") or {}).get("decode_tok_s")
-    cells = report.get("cells", [])
+
+    def add(g: dict[str, Any], measure: str, value: Any, met: bool | None, goal: str = "") -> None:
+        goal = goal or f"{'>=' if 'at_least' in g else '<='} {g.get('at_least', g.get('at_most'))}"
+        out.append(
+            {
+                "issue": g["issue"],
+                "measure": measure,
+                "goal": goal + (f" ({g['note']})" if "note" in g else ""),
+                "value": value,
+                "met": met,
+            }
+        )
+
     for g in rules if rules is not None else load_goals("serving"):
-        bound = g.get("at_least", g.get("at_most"))
-        goal = f"{'>=' if 'at_least' in g else '<='} {bound}" + (f" ({g['note']})" if "note" in g else "")
         if g["metric"] == "errors":
             errors = sum(c["summary"].get("num_errors", 0) for c in cells if c.get("summary"))
-            out.append(
-                {
-                    "issue": g["issue"],
-                    "measure": "requests that failed, or whose usage differed from the tokens received",
-                    "goal": goal,
-                    "value": errors,
-                    "met": errors <= bound,
-                }
+            add(
+                g,
+                "requests that failed, or whose usage differed from the tokens received",
+                errors,
+                errors <= g["at_most"],
             )
             if failed := sum(1 for c in cells if c.get("error")):
-                out.append(
-                    {
-                        "issue": g["issue"],
-                        "measure": "cells that did not run",
-                        "goal": "0",
-                        "value": failed,
-                        "met": False,
-                    }
-                )
+                add(g, "cells that did not run", failed, False, "0")
             continue
         load = first if g["load"] == "first" else g["load"]
         if load not in loads(report) or g["prompt"] not in report["grid"]["prompt_lens"]:
             continue
-        for name in series_of(report):
-            if name == "engine" or not fnmatch.fnmatch(name, g["series"]):
-                continue
+        for name in (n for n in series_of(report) if n != "engine" and fnmatch.fnmatch(n, g["series"])):
             system, _, transport = name.partition("/")
             base_name = g["base"].format(system=system, transport=transport)
             value = _metric(find(report, name, load, g["prompt"]), g["metric"])
@@ -121,28 +126,17 @@ def goals(report: dict[str, Any], rules: list[dict[str, Any]] | None = None) -> 
                 if base_name == "decode_only"
                 else _metric(find(report, base_name, load, g["prompt"]), g["metric"])
             )
-            result = (
-                _div(value, base)
-                if g["compare"] == "ratio"
-                else None
-                if value is None or base is None
-                else value - base
-            )
+            if g["compare"] == "ratio":
+                result = _div(value, base)
+            else:
+                result = None if value is None or base is None else value - base
             met = (
                 None
                 if result is None or g.get("decided") is False
                 else (result >= g["at_least"] if "at_least" in g else result <= g["at_most"])
             )
             what = "/" if g["compare"] == "ratio" else "-"
-            out.append(
-                {
-                    "issue": g["issue"],
-                    "measure": f"{name} {g['metric']} {what} {base_name}, {load} prompt {g['prompt']}",
-                    "goal": goal,
-                    "value": result,
-                    "met": met,
-                }
-            )
+            add(g, f"{name} {g['metric']} {what} {base_name}, {load} prompt {g['prompt']}", result, met)
     return out
 
 
@@ -186,11 +180,8 @@ def markdown(report: dict[str, Any]) -> str:
                     if cell and base and name != "engine"
                     else None
                 )
-                row.append(
-                    "-"
-                    if cell is None
-                    else f"{cell['output_tok_s']:,.0f}" + ("" if ratio is None else f" ({ratio:.2f})")
-                )
+                shown = "" if ratio is None else f" ({ratio:.2f})"
+                row.append("-" if cell is None else f"{cell['output_tok_s']:,.0f}{shown}")
             rows.append(row)
     lines += _table(["system", "prompt", *columns], rows)
     if not columns:
@@ -203,7 +194,7 @@ def markdown(report: dict[str, Any]) -> str:
             for metric in ("tpot_s", "ttft_s"):
                 for load in (low, high):
                     s = find(report, name, load, n)
-                    row.append(f"{_ms(s[metric]['p50'])} / {_ms(s[metric]['p99'])}" if s else "-")
+                    row.append(_pq(s[metric]) if s else "-")
             rows.append(row)
     lines += ["", f"Latency in ms: TPOT and TTFT p50 / p99 at {low} and {high}.", ""]
     lines += _table(["system", "prompt", f"TPOT {low}", f"TPOT {high}", f"TTFT {low}", f"TTFT {high}"], rows)
@@ -215,40 +206,24 @@ def markdown(report: dict[str, Any]) -> str:
                 s, b = find(report, name, load, n), find(report, base_name, load, n)
                 if s:
                     ttft, base_ttft = s["ttft_s"]["p50"], b["ttft_s"]["p50"] if b else None
-                    rows.append(
-                        [
-                            name,
-                            str(n),
-                            load,
-                            f"{s['output_tok_s']:,.0f}",
-                            _x(_div(s["output_tok_s"], b["output_tok_s"] if b else None)).strip(),
-                            _ms(ttft),
-                            "" if base_ttft is None else f"{(ttft - base_ttft) * 1e3:+.1f}",
-                            _x(_div(ttft, base_ttft)).strip(),
-                        ]
-                    )
+                    diff = "" if base_ttft is None else f"{(ttft - base_ttft) * 1e3:+.1f}"
+                    tok = _x(_div(s["output_tok_s"], b["output_tok_s"] if b else None))
+                    rows.append([name, str(n), load, f"{s['output_tok_s']:,.0f}", tok, _ms(ttft), diff])
+                    rows[-1].append(_x(_div(ttft, base_ttft)))
     if rows:
         lines += ["", "Against the same system's Python API (tok/s, TTFT p50 in ms).", ""]
         lines += _table(
             ["series", "prompt", "load", "tok/s", "/ python", "TTFT p50", "- python", "/ python"], rows
         )
-    rows = []
-    handoffs = any(
-        "handoff_s" in (c.get("summary") or {}).get("timings", {}) for c in report.get("cells", [])
-    )
-    for cell in report.get("cells", []) if handoffs else []:
-        t = (cell.get("summary") or {}).get("timings", {})
+    rows, cells = [], report.get("cells", [])
+    for cell in cells if any("handoff_s" in _timings(c) for c in cells) else []:
+        t = _timings(cell)
         if "handoff_s" in t or (cell.get("summary") and cell["series"] == "colocated/python"):
             raw = t.get("transfer_s") or t.get("push_wait_s")
-            rows.append(
-                [cell["series"], cell["load"], str(cell["prompt_len"])]
-                + [f"{_ms(t[k]['p50'])} / {_ms(t[k]['p99'])}" if k in t else "" for k in ("handoff_s",)]
-                + [_ms(t[k]["p50"]) if k in t else "" for k in ("handoff_rpc_s", "handoff_local_s")]
-                + [
-                    "" if raw is None else _ms(raw["p50"]) + (" (push wait)" if "push_wait_s" in t else ""),
-                    f"{_ms(cell['summary']['ttft_s']['p50'])} / {_ms(cell['summary']['ttft_s']['p99'])}",
-                ]
-            )
+            row = [cell["series"], cell["load"], str(cell["prompt_len"]), _pq(t.get("handoff_s"))]
+            row += [_ms(t[k]["p50"]) if k in t else "" for k in ("handoff_rpc_s", "handoff_local_s")]
+            row += ["" if raw is None else _ms(raw["p50"]) + " (push wait)" * ("push_wait_s" in t)]
+            rows.append([*row, _pq(cell["summary"]["ttft_s"])])
     if rows:
         lines += ["", "Handoff (prefill done -> D decoding, less the raw transfer), p50 / p99 in ms.", ""]
         lines += _table(

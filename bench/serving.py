@@ -1,34 +1,23 @@
-"""The serving benchmark: system x transport x load, one harness.
+"""The serving benchmark: system x transport x load in one harness, the same requests for each.
 
-Systems: ``engine`` (the bare ``Engine`` stepped in this process, CUDA graphs on), ``colocated``,
-``read`` and ``write`` (1P1D in that transfer mode: on a GPU P and D share it, half each, over
-cuda_ipc; on the CPU over shm), all derived from one Serve config (--config) by
+Systems: ``engine`` (the bare ``Engine`` stepped here, CUDA graphs on), ``colocated``, ``read`` and
+``write`` (1P1D; on a GPU P and D share it), derived from one Serve config (--config) by
 ``bench.common.pipeline_args``. Transports: ``python`` (``PDPipeline.stream`` in this driver's Ray)
-and ``http`` (``serve run`` of the derived config in a child process, one series per --serve-modes,
-``/v1/completions`` streamed with usage, read by the lean client of bench/http_client.py spread over
---client-procs processes). Loads: closed loop at each --concurrency (c in flight, a new one as one
-ends) and Poisson arrivals at each --rates (requests/s). A cell is one load and one prompt length,
-with a fixed number of requests: max(--requests, --waves x c). Every request has a prompt of token
-ids and generates exactly --output-tokens tokens (greedy, EOS ignored).
+and ``http`` (``serve run`` of the derived config, per --serve-modes; streamed with usage, read by
+bench/http_client.py's client processes). Loads: closed loop at each --concurrency, Poisson arrivals
+at each --rates. A cell (a load, a prompt length) has max(--requests, --waves x c) requests of
+exactly --output-tokens greedy tokens. Per cell: TTFT, TPOT, output tok/s (p50/p99 by
+bench.common.percentile) and, through the Python API, the handoff breakdown of the last stream
+event's Timings. --profile: ``py-spy record --gil`` on this process and every Ray actor below it
+during each series. Workloads: ``random``; ``shared-prefix`` (groups sharing a prefix, the prefix
+cache off and on side by side); ``n-choices`` (one request of --n choices against --n requests).
 
-Per cell: TTFT, TPOT ((last - first token) / (tokens - 1)) and output tok/s (tokens over first send
-to last token), p50/p99 (bench.common.percentile), and through the Python API the handoff breakdown
-of the last stream event's Timings (handoff, P -> D, on D, raw transfer or push wait, bytes).
---profile runs ``py-spy record --gil`` on this process and every Ray actor process below it during
-each series' cells. Workloads: ``random``; ``shared-prefix`` (groups of prompts sharing a prefix,
-the prefix cache off and on side by side, alternating); ``n-choices`` (one request of --n choices
-against --n separate requests and one single request, over HTTP).
+    python bench/serving.py                                   # CPU: tiny; engine, colocated, read
+    python bench/serving.py --systems read --concurrency 4 --requests 16 --profile
+    python bench/serving.py --workload shared-prefix          # or n-choices
+    python -m bench.report bench/results/serving_cpu.json     # the tables again
 
-    python bench/serving.py                                              # CPU: tiny, c=1,32
-    python bench/serving.py --systems read --transports python,http --concurrency 4 --requests 16
-    python bench/serving.py --systems read,colocated --colocated-replicas 2 --transports http \\
-        --serve-modes fast --rates 2,16 --requests 160 --prompt-lens 32 --long-fraction 0.25
-    python bench/serving.py --workload shared-prefix
-    python bench/serving.py --workload n-choices
-    python -m bench.report bench/results/serving_cpu.json                # the tables again
-
-Writes <out>/serving_<tag>.json (every request's numbers), .md and .png (prefix_<tag>.*,
-n_choices_<tag>.* for the other workloads).
+Writes <out>/serving_<tag>.json (every request), .md and .png (prefix_*, n_choices_* by workload).
 """
 
 from __future__ import annotations
@@ -74,7 +63,7 @@ from bench.http_client import Connection, Record, drive, run_http_cell, stream_c
 from bench.http_client import arrivals as poisson
 
 SYSTEMS = ("engine", "colocated", "read", "write")
-TRANSPORTS = ("python", "http")
+TRANSPORTS, MODES = ("python", "http"), ("default", "fast")
 SERIES = {"colocated": "colocated", "read": "pd-read", "write": "pd-write"}
 TIMINGS = ("handoff_s", "handoff_rpc_s", "handoff_local_s", "transfer_s", "push_wait_s", "transfer_bytes")
 RAW_COLUMNS = ["index", "sent_s", "ttft_s", "tpot_s", "last_token_s", "tokens", "chunks", "status", "error"]
@@ -90,27 +79,14 @@ def parser() -> argparse.ArgumentParser:
     add("--config", type=Path, help="the Serve config every system derives from (default by device)")
     add("--systems", type=csv(str), help=f"{','.join(SYSTEMS)} (CPU default: engine,colocated,read)")
     add("--transports", type=csv(str), default=list(TRANSPORTS), help=",".join(TRANSPORTS))
-    add("--serve-modes", type=csv(str), default=["default", "fast"], help="http: Serve's proxy, HAProxy")
+    add("--serve-modes", type=csv(str), default=list(MODES), help="http: Serve's proxy, HAProxy")
     add("--backends", type=csv(str), help="PD transfer backends, one series each (default cuda_ipc / shm)")
     add("--colocated-replicas", type=int, default=1, help="engines of the colocated system")
-    add(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="pipeline args override, e.g. "
-        "engine.num_blocks=2048, serve.stream_interval=1, serve.num_replicas=4 (repeatable)",
-    )
+    add("--set", action="append", default=[], metavar="KEY=VALUE", help="e.g. serve.num_replicas=4")
     add("--concurrency", type=csv(int), help="closed-loop cells (default 1,8,32,64,128; CPU 1,32)")
     add("--rates", type=csv(float), default=[], help="Poisson cells, requests/s")
     add("--prompt-lens", type=csv(int), help="default 128,1024 (CPU 128)")
-    add(
-        "--long-fraction",
-        type=float,
-        default=0.0,
-        help="mixed prompts: this share of [long, 2 long] "
-        "tokens, the rest [len, 2 len] (0: every prompt exactly its cell's length)",
-    )
+    add("--long-fraction", type=float, default=0.0, help="mixed: long ones [L, 2L], the rest [len, 2 len]")
     add("--long-len", type=int, default=512)
     add("--output-tokens", type=int, default=64)
     add("--requests", type=int, default=16, help="requests per cell: at least this many ...")
@@ -141,27 +117,14 @@ def defaults(a: argparse.Namespace, p: argparse.ArgumentParser) -> None:
     """Fill the defaults that depend on the device and the workload, then check the flags."""
     cpu, w = a.device == "cpu", a.workload
     a.config = a.config or ROOT / "configs" / ("tiny_1p1d_cpu.yaml" if cpu else "llama1b_1p1d_cuda.yaml")
-    a.systems = (
-        a.systems
-        or {
-            "random": ["engine", "colocated", "read"] if cpu else list(SYSTEMS),
-            "shared-prefix": ["read", "write"],
-            "n-choices": ["read"],
-        }[w]
-    )
-    a.concurrency = a.concurrency or (
-        [4] if w == "shared-prefix" else [1, 32] if cpu else [1, 8, 32, 64, 128]
-    )
-    if a.rates and not a.concurrency_given:
-        a.concurrency = []
+    first = {"random": ["engine", "colocated", "read"] if cpu else list(SYSTEMS), "n-choices": ["read"]}
+    a.systems = a.systems or first.get(w, ["read", "write"])
+    closed = [4] if w == "shared-prefix" else [1, 32] if cpu else [1, 8, 32, 64, 128]
+    a.concurrency = a.concurrency if a.concurrency is not None else [] if a.rates else closed
     a.prompt_lens = a.prompt_lens or ([1024] if w != "random" else [128] if cpu else [128, 1024])
     a.backends = a.backends or ["shm" if cpu else "cuda_ipc"]
     a.tag = a.tag or ("cpu" if cpu else "gpu")
-    for name, allowed in (
-        ("systems", SYSTEMS),
-        ("transports", TRANSPORTS),
-        ("serve_modes", ("default", "fast")),
-    ):
+    for name, allowed in (("systems", SYSTEMS), ("transports", TRANSPORTS), ("serve_modes", MODES)):
         if bad := [x for x in getattr(a, name) if x not in allowed]:
             p.error(f"--{name.replace('_', '-')}: {bad[0]!r} is not one of {', '.join(allowed)}")
     if min(a.concurrency + a.prompt_lens + a.rates, default=1) <= 0 or a.output_tokens < 2:
@@ -177,14 +140,10 @@ def prompts(
     """``count`` prompts of token ids below 256 (valid for every preset), the same for every system:
     exactly ``length`` tokens each, or with ``long_fraction`` a mix of [len, 2 len] and long ones."""
     rng = random.Random(f"{seed}:{length}:{count}")
-    lens = [length] * count
-    if long_fraction > 0:
-        lens = [
-            rng.randint(long_len, 2 * long_len)
-            if rng.random() < long_fraction
-            else rng.randint(length, 2 * length)
-            for _ in range(count)
-        ]
+    pick = lambda: rng.randint(
+        *((long_len, 2 * long_len) if rng.random() < long_fraction else (length, 2 * length))
+    )
+    lens = [pick() for _ in range(count)] if long_fraction else [length] * count
     return [[rng.randrange(256) for _ in range(n)] for n in lens]
 
 
@@ -242,20 +201,17 @@ def summarize(records: list[Record], expected_tokens: int) -> dict[str, Any]:
 def raw_rows(records: list[Record]) -> list[list[Any]]:
     """One row per request (RAW_COLUMNS), seconds from the cell's first send."""
     t0 = min((r.sent_s for r in records), default=0.0)
-    return [
-        [
-            r.index,
-            round(r.sent_s - t0, 6),
-            round(r.ttft_s, 6) if r.num_tokens else None,
-            None if (t := r.tpot_s) is None else round(t, 6),
-            round(r.last_s - t0, 6) if r.num_tokens else None,
-            r.num_tokens,
-            r.num_chunks,
-            r.status,
-            r.error,
+    rows: list[list[Any]] = []
+    for r in sorted(records, key=lambda r: r.index):
+        times = [
+            r.sent_s - t0,
+            r.ttft_s if r.num_tokens else None,
+            r.tpot_s,
+            r.last_s - t0 if r.num_tokens else None,
         ]
-        for r in sorted(records, key=lambda r: r.index)
-    ]
+        rounded = [None if t is None else round(t, 6) for t in times]
+        rows.append([r.index, *rounded, r.num_tokens, r.num_chunks, r.status, r.error])
+    return rows
 
 
 # -- the systems -----------------------------------------------------------------------------------
@@ -368,12 +324,8 @@ def python_cell(pipe: Any, a: argparse.Namespace, keep_tokens: bool = False) -> 
     params = SamplingParams(max_tokens=a.output_tokens, ignore_eos=True, temperature=0.0)
 
     async def one(slot: int, item: tuple[int, list[int]]) -> Record:
-        rec, last, ids, cached = (
-            Record(index=item[0], sent_s=time.perf_counter(), status=200),
-            None,
-            list[int](),
-            0,
-        )
+        rec = Record(index=item[0], sent_s=time.perf_counter(), status=200)
+        last, ids, cached = None, list[int](), 0
         try:
             async with contextlib.aclosing(pipe.stream(token_ids=item[1], params=params)) as events:
                 async for last in events:
@@ -391,9 +343,7 @@ def python_cell(pipe: Any, a: argparse.Namespace, keep_tokens: bool = False) -> 
 
     def timed_out(slot: int, item: tuple[int, list[int]]) -> Record:
         now = time.perf_counter()
-        return Record(
-            index=item[0], sent_s=now, done_s=now, status=200, error=f"timeout {a.request_timeout_s} s"
-        )
+        return Record(index=item[0], sent_s=now, done_s=now, status=200, error="timeout")
 
     async def cell(prompts: list[list[int]], load: Load) -> tuple[list[Record], dict[str, Any]]:
         at_s = poisson(len(prompts), load[1], a.seed) if load[0] == "rate" else None
@@ -405,25 +355,14 @@ def python_cell(pipe: Any, a: argparse.Namespace, keep_tokens: bool = False) -> 
 
 
 def http_cell(base_url: str, a: argparse.Namespace) -> Cell:
-    fields = {
-        "max_tokens": a.output_tokens,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        "ignore_eos": True,
-        "temperature": 0,
-        "logprobs": 0,
-    }
+    fields = dict(max_tokens=a.output_tokens, stream=True, ignore_eos=True, temperature=0, logprobs=0)
+    fields["stream_options"] = {"include_usage": True}  # the client checks usage against the tokens
 
     async def cell(prompts: list[list[int]], load: Load) -> tuple[list[Record], dict[str, Any]]:
         at_s = poisson(len(prompts), load[1], a.seed) if load[0] == "rate" else None
-        records, client = await run_http_cell(
-            base_url + "/v1/completions",
-            [{"prompt": p, **fields} for p in prompts],
-            at_s=at_s,
-            concurrency=int(load[1]) if load[0] == "c" else 1,
-            num_procs=a.client_procs,
-            timeout_s=a.request_timeout_s,
-        )
+        bodies, c = [{"prompt": p, **fields} for p in prompts], int(load[1]) if load[0] == "c" else 1
+        kw = {"at_s": at_s, "concurrency": c, "num_procs": a.client_procs, "timeout_s": a.request_timeout_s}
+        records, client = await run_http_cell(base_url + "/v1/completions", bodies, **kw)
         return records, {"client": client}
 
     return cell
@@ -437,10 +376,8 @@ def actor_processes() -> list[tuple[int, str]]:
     children: dict[int, list[int]] = collections.defaultdict(list)
     for entry in Path("/proc").iterdir():
         with contextlib.suppress(OSError, ValueError, IndexError):
-            if entry.name.isdigit():
-                children[int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])].append(
-                    int(entry.name)
-                )
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            children[parent].append(int(entry.name))
     found, todo = [], list(children[os.getpid()])
     while todo:
         pid = todo.pop()
@@ -463,21 +400,7 @@ class Profiler:
         self.procs: dict[str, tuple[subprocess.Popen[bytes], Path]] = {}
         for pid, title in [(os.getpid(), "driver"), *actor_processes()]:
             path = out / f"{re.sub(r'[^A-Za-z0-9_.-]+', '_', name)}_{title}_{pid}.txt"
-            cmd = [
-                spy,
-                "record",
-                "-p",
-                str(pid),
-                "-r",
-                str(rate),
-                "-f",
-                "raw",
-                "-o",
-                str(path),
-                "--threads",
-                "--gil",
-                "--nonblocking",
-            ]
+            cmd = f"{spy} record -p {pid} -r {rate} -f raw -o {path} --threads --gil --nonblocking".split()
             log = path.with_suffix(".log").open("wb")
             self.procs[f"{title}:{pid}"] = (subprocess.Popen(cmd, stdout=log, stderr=log), path)
 
@@ -490,9 +413,7 @@ class Profiler:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(60)
             if not path.exists():
-                out[key] = {
-                    "error": (path.with_suffix(".log").read_text(errors="replace") or "no output")[-300:]
-                }
+                out[key] = {"error": path.with_suffix(".log").read_text(errors="replace")[-300:]}
                 continue
             threads: collections.Counter[str] = collections.Counter()
             funcs: collections.Counter[tuple[str, str]] = collections.Counter()
@@ -504,12 +425,8 @@ class Profiler:
                 for fn in dict.fromkeys(f.split(" (")[0] for f in frames[1:]):
                     if fn not in ("Thread._bootstrap", "Thread._bootstrap_inner", "Thread.run", "<module>"):
                         funcs[(thread, fn)] += n
-            top_funcs = [[t, f, n] for (t, f), n in funcs.most_common(top)]
-            out[key] = {
-                "samples": sum(threads.values()),
-                "threads": dict(threads.most_common()),
-                "top": top_funcs,
-            }
+            out[key] = {"samples": sum(threads.values()), "threads": dict(threads.most_common())}
+            out[key]["top"] = [[t, f, n] for (t, f), n in funcs.most_common(top)]
         return out
 
 
@@ -530,13 +447,7 @@ async def run_series(a: argparse.Namespace, report: dict[str, Any], series: str,
         for length in a.prompt_lens:
             for load in loads:
                 batch = prompts(cell_requests(a, load), length, a.seed, a.long_fraction, a.long_len)
-                entry: dict[str, Any] = {
-                    "series": series,
-                    "load": label(load),
-                    "prompt_len": length,
-                    "concurrency": load[1] if load[0] == "c" else None,
-                    "rate": load[1] if load[0] == "rate" else None,
-                }
+                entry: dict[str, Any] = {"series": series, "load": label(load), "prompt_len": length}
                 t0, cpu0 = time.perf_counter(), time.process_time()
                 try:
                     records, extra = await cell(batch, load)
@@ -565,13 +476,8 @@ def start_ray(a: argparse.Namespace) -> None:
 
     if not ray.is_initialized():  # a cluster of its own (a bare ray.init joins one that `ray start` left)
         cpus = None if a.device == "cuda" else max(4, os.cpu_count() or 1)
-        ray.init(
-            address="local",
-            num_cpus=cpus,
-            namespace="moriio_ray",
-            include_dashboard=False,
-            log_to_driver=a.ray_logs,
-        )
+        kw = {"namespace": "moriio_ray", "include_dashboard": False, "log_to_driver": a.ray_logs}
+        ray.init(address="local", num_cpus=cpus, **kw)
 
 
 def serve_file(a: argparse.Namespace, args: dict[str, Any], mode: str, work: Path) -> Path:
@@ -589,17 +495,11 @@ def system_args(a: argparse.Namespace, system: str, backend: str | None = None, 
     """``system``'s pipeline args from --config: room for the largest cell, then ``sets`` and --set."""
     base = serve_doc(a.config)["applications"][0].get("args") or {}
     longest = 2 * max(*a.prompt_lens, a.long_len) if a.long_fraction else max(a.prompt_lens)
-    return pipeline_args(
-        base,
-        system,
-        backend=backend,
-        gpu=a.device == "cuda",
-        max_concurrency=max([*a.concurrency, a.decode_batch, 1]),
-        max_prompt_len=longest,
-        output_tokens=max(a.output_tokens, a.decode_steps + 2),
-        colocated_replicas=a.colocated_replicas,
-        overrides=[*sets, *a.set],
-    )
+    open_loop = 64 if a.rates else 1  # room for the requests that Poisson arrivals pile up
+    size = {"max_concurrency": max([*a.concurrency, a.decode_batch, open_loop]), "max_prompt_len": longest}
+    size["output_tokens"] = max(a.output_tokens, a.decode_steps + 2)
+    kw = {"backend": backend, "gpu": a.device == "cuda", "colocated_replicas": a.colocated_replicas}
+    return pipeline_args(base, system, **kw, **size, overrides=[*sets, *a.set])
 
 
 def random_workload(a: argparse.Namespace, report: dict[str, Any], work: Path) -> None:
@@ -613,16 +513,13 @@ def random_workload(a: argparse.Namespace, report: dict[str, Any], work: Path) -
                 torch.set_num_threads(a.threads or 1)  # as many as a Ray worker of 0.5 CPU gets
             engine = BareEngine(system_args(a, "colocated"))
             report["startup_s"]["engine"] = engine.build_s
-            cell: Cell = lambda batch, load: _sync(
-                engine.run(batch, load, a.output_tokens, a.request_timeout_s)
-            )
+            run = lambda batch, load: _sync(engine.run(batch, load, a.output_tokens, a.request_timeout_s))
             try:
-                asyncio.run(run_series(a, report, "engine", cell))
+                asyncio.run(run_series(a, report, "engine", run))
                 if a.decode_batch:
-                    report["engine_decode_only"] = engine.decode_only(
-                        a.decode_batch, min(a.prompt_lens), a.decode_steps
-                    )
-                    print(f"[engine] decode-only at batch {a.decode_batch}: {report['engine_decode_only']}")
+                    decode = engine.decode_only(a.decode_batch, min(a.prompt_lens), a.decode_steps)
+                    print(f"[engine] decode-only: {decode}", flush=True)
+                    report["engine_decode_only"] = decode
             finally:
                 engine.close()  # before the pipelines start
         except Exception as exc:
@@ -667,37 +564,28 @@ def shared_prefix(a: argparse.Namespace, report: dict[str, Any], work: Path) -> 
     from moriio_ray import PDPipeline
 
     length, c = a.prompt_lens[0], a.concurrency[0]
-    room = [
-        f"engine.num_blocks={(-(-length // 16) + 4) * (c + 8)}",
-        "engine.max_num_seqs=64",
-        f"model.max_model_len={length + 256}",
-    ]  # every request in flight and a few groups' prefixes
+    # room for every request in flight and a few groups' prefixes
+    room = [f"engine.num_blocks={(-(-length // 16) + 4) * (c + 8)}", f"model.max_model_len={length + 256}"]
     start_ray(a)
 
     def cache_totals(pipe: Any) -> dict[str, int]:
+        keys = ("num_hit_tokens", "num_queried_tokens")
         return {
-            f"{k}_{w['role']}": w["prefix_cache"][k]
-            for w in pipe.stats()["workers"].values()
-            for k in ("num_hit_tokens", "num_queried_tokens")
+            f"{k}_{w['role']}": w["prefix_cache"][k] for w in pipe.stats()["workers"].values() for k in keys
         }
 
     for system in [s for s in ("read", "write", "colocated") if s in a.systems]:
+        sets = lambda on, system=system: [
+            *room,
+            f"name=prefix-{system}-{on}",
+            f"engine.enable_prefix_caching={on}",
+        ]
         pipes = {
-            on: PDPipeline.launch(
-                system_args(
-                    a,
-                    system,
-                    a.backends[0],
-                    *room,
-                    f"name=prefix-{system}-{on}",
-                    f"engine.enable_prefix_caching={on}",
-                )
-            )
-            for on in (False, True)
+            on: PDPipeline.launch(system_args(a, system, a.backends[0], *sets(on))) for on in (False, True)
         }
         try:
             runs: dict[tuple[bool, float], list[tuple[list[Record], float, dict[str, int]]]] = {}
-            for pipe in pipes.values():
+            for pipe in pipes.values():  # a warm-up, unrecorded
                 asyncio.run(
                     python_cell(pipe, a)(shared_prefix_prompts(0.0, length, 2, 1, a.seed - 1), ("c", c))
                 )
@@ -708,50 +596,41 @@ def shared_prefix(a: argparse.Namespace, report: dict[str, Any], work: Path) -> 
                         before, t0 = cache_totals(pipe), time.perf_counter()
                         records, _ = asyncio.run(python_cell(pipe, a, keep_tokens=True)(batch, ("c", c)))
                         wall_s, after = time.perf_counter() - t0, cache_totals(pipe)
-                        runs.setdefault((on, reuse), []).append(
-                            (records, wall_s, {k: after[k] - before[k] for k in after})
-                        )
+                        delta = {k: after[k] - before[k] for k in after}
+                        runs.setdefault((on, reuse), []).append((records, wall_s, delta))
             for (on, reuse), cells in runs.items():
                 report["cells"].append(prefix_cell(SERIES[system], on, reuse, cells))
                 print(rep.prefix_line(report["cells"][-1]), flush=True)
         finally:
             for pipe in pipes.values():
                 pipe.shutdown()
+    off = {(x["series"], x["reuse"]): x["tokens"] for x in report["cells"] if not x["cache"]}
     for cell in report["cells"]:  # greedy tokens: the cache must not change one
-        off = next(
-            x
-            for x in report["cells"]
-            if (x["series"], x["reuse"], x["cache"]) == (cell["series"], cell["reuse"], False)
-        )
-        cell["tokens_equal_cache_off"] = cell["tokens"] == off["tokens"]
-    for cell in report["cells"]:
-        del cell["tokens"]
+        cell["tokens_equal_cache_off"] = cell.pop("tokens") == off[(cell["series"], cell["reuse"])]
 
 
 def prefix_cell(
     series: str, on: bool, reuse: float, runs: list[tuple[list[Record], float, dict[str, int]]]
 ) -> dict[str, Any]:
     records = [r for rs, _, _ in runs for r in sorted(rs, key=lambda r: r.index)]
-    ok = [r for r in records if r.ok]
+    ok, wall_s = [r for r in records if r.ok], sum(w for _, w, _ in runs)
+    extra = lambda key: [float((r.extra or {}).get(key) or 0) for r in ok]
 
     def rate(role: str) -> float:
         queried = sum(d[f"num_queried_tokens_{role}"] for _, _, d in runs)
         return sum(d[f"num_hit_tokens_{role}"] for _, _, d in runs) / queried if queried else 0.0
 
-    return {
-        "series": series,
-        "cache": on,
-        "reuse": reuse,
-        "num_requests": len(records),
-        "num_errors": len(records) - len(ok),
-        "wall_s": sum(w for _, w, _ in runs),
-        "ttft_s": stats([r.ttft_s for r in ok]),
-        "output_tok_s": sum(r.num_tokens for r in ok) / sum(w for _, w, _ in runs),
-        "transfer_bytes": stats([float((r.extra or {}).get("transfer_bytes") or 0) for r in ok]),
-        "cached_tokens_per_request": stats([float((r.extra or {}).get("cached_tokens") or 0) for r in ok])[
-            "mean"
-        ],
+    out = {"series": series, "cache": on, "reuse": reuse, "num_requests": len(records), "wall_s": wall_s}
+    out |= {"num_errors": len(records) - len(ok), "ttft_s": stats([r.ttft_s for r in ok])}
+    out |= {
+        "output_tok_s": sum(r.num_tokens for r in ok) / wall_s,
+        "transfer_bytes": stats(extra("transfer_bytes")),
+    }
+    out |= {
+        "cached_tokens_per_request": stats(extra("cached_tokens"))["mean"],
         "hit_rate_prefill": rate("prefill"),
+    }
+    return out | {
         "hit_rate_decode": rate("decode"),
         "tokens": [(r.extra or {}).get("token_ids") for r in records],
     }
@@ -784,16 +663,8 @@ def n_choices(a: argparse.Namespace, report: dict[str, Any], work: Path) -> None
             return int(cache["num_queried_tokens"] - cache["num_hit_tokens"])
 
         async def ttft(prompt: list[int], n: int, seed: int) -> float:
-            body = {
-                "prompt": prompt,
-                "max_tokens": 4,
-                "temperature": 1.0,
-                "seed": seed,
-                "n": n,
-                "stream": True,
-                "ignore_eos": True,
-                "logprobs": 0,
-            }
+            body = dict(prompt=prompt, max_tokens=4, temperature=1.0, seed=seed, n=n, stream=True, logprobs=0)
+            body["ignore_eos"] = True
             conn = Connection("127.0.0.1", server.http_port)
             rec = await stream_completion(conn, "/v1/completions", 0, json.dumps(body).encode())
             conn.close()
@@ -819,19 +690,15 @@ def n_choices(a: argparse.Namespace, report: dict[str, Any], work: Path) -> None
                 "n",
                 "separate",
             ):  # a fresh prompt per cell: nothing of it is cached before
-                got = asyncio.run(cell(kind, fresh(), 1000 * r))
-                report["cells"].append({"series": kind, "round": r, **got})
-                print(
-                    f"round {r + 1}/{a.rounds} {kind:8s} TTFT {1e3 * got['ttft_s']:7.1f} ms, P computed "
-                    f"{got['computed']} prompt tokens",
-                    flush=True,
+                report["cells"].append(
+                    {"series": kind, "round": r, **asyncio.run(cell(kind, fresh(), 1000 * r))}
                 )
+                print(f"round {r + 1}/{a.rounds}: {report['cells'][-1]}", flush=True)
 
 
 def main() -> None:
     p = parser()
     a = p.parse_args()
-    a.concurrency_given = a.concurrency is not None
     if a.device == "auto":
         import torch
 
@@ -842,24 +709,20 @@ def main() -> None:
     report = run_record(f"serving --workload {a.workload}", vars(a), a.commit)
     report |= {
         "workload": a.workload,
-        "device": a.device,
         "cells": [],
         "profiles": {},
         "startup_s": {},
         "raw_columns": RAW_COLUMNS,
-        "grid": {
-            "concurrency": a.concurrency,
-            "rates": a.rates,
-            "prompt_lens": a.prompt_lens,
-            "output_tokens": a.output_tokens,
-        },
     }
+    report["grid"] = {"concurrency": a.concurrency, "rates": a.rates, "prompt_lens": a.prompt_lens}
+    report["grid"]["output_tokens"] = a.output_tokens
     t0 = time.perf_counter()
     try:
         with tempfile.TemporaryDirectory(prefix="msb") as tmp:
-            {"random": random_workload, "shared-prefix": shared_prefix, "n-choices": n_choices}[a.workload](
-                a, report, Path(tmp)
-            )
+            run = {"random": random_workload, "shared-prefix": shared_prefix, "n-choices": n_choices}[
+                a.workload
+            ]
+            run(a, report, Path(tmp))
     finally:
         report["elapsed_s"] = time.perf_counter() - t0
         with contextlib.suppress(ImportError):

@@ -103,111 +103,104 @@ class Proc:
             self.proc.kill()
 
 
-def attempt(result: dict[str, Any], key: str, fn: Any) -> Any:
-    """Run one phase or variant; a failure is recorded under ``result["errors"][key]``."""
-    if time.monotonic() > _deadline[0]:
-        result["errors"][key] = "skipped: past --deadline-s"
-        return None
-    try:
-        return fn()
-    except Exception as exc:
-        result["errors"][key] = f"{exc!r}"[:2000]
-        print(f"FAILED {key}: {exc!r}"[:600], flush=True)
-        traceback.print_exc(limit=3)
-        return None
+class Run:
+    """The two workers, the result being filled in, and the one way of measuring a variant."""
 
+    def __init__(self, P: Proc, D: Proc, result: dict[str, Any], iters: int) -> None:
+        self.P, self.D, self.result, self.iters = P, D, result, iters
 
-def measured(
-    P: Proc,
-    D: Proc,
-    result: dict[str, Any],
-    key: str,
-    backend: str,
-    op: str,
-    name: str,
-    v: dict[str, Any],
-    iters: int,
-    **row: Any,
-) -> dict[str, Any] | None:
-    """Poison D, time the variant on the issuing worker, then D checks the bytes it received."""
+    def attempt(self, key: str, fn: Any) -> Any:
+        """Run one phase or variant; a failure is recorded under ``result["errors"][key]``."""
+        if time.monotonic() > _deadline[0]:
+            self.result["errors"][key] = "skipped: past --deadline-s"
+            return None
+        try:
+            return fn()
+        except Exception as exc:
+            self.result["errors"][key] = f"{exc!r}"[:2000]
+            print(f"FAILED {key}: {exc!r}"[:600], flush=True)
+            traceback.print_exc(limit=3)
+            return None
 
-    def run() -> dict[str, Any]:
-        D.call("poison")
-        got = (D if op == "read" else P).call("measure", backend, op, name, v, iters)
-        got["verified"] = D.call("verify", name)
-        if not got["verified"]:
-            raise RuntimeError(f"{backend} {op} {name} {v}: wrong bytes on D")
-        return got
+    def measure(self, key: str, backend: str, op: str, name: str, v: dict[str, Any], **row: Any) -> Any:
+        """Poison D, time the variant on the issuing worker, then D checks the bytes it received."""
 
-    got = attempt(result, key, run)
-    if got is not None:
+        def run() -> dict[str, Any]:
+            self.D.call("poison")
+            got = (self.D if op == "read" else self.P).call("measure", backend, op, name, v, self.iters)
+            if not (verified := self.D.call("verify", name)):
+                raise RuntimeError(f"{backend} {op} {name} {v}: wrong bytes on D")
+            return {**got, "verified": verified}
+
+        if (got := self.attempt(key, run)) is None:
+            return None
         c = cases()[name.removesuffix("/contiguous")]
-        row |= {"case": c.name, "op": op, "bytes": c.num_bytes, "segments": c.num_segments, **got}
         print(f"{key}: host {got['host_us']} us, device {got['device_us']} us ({got['method']})", flush=True)
-    return None if got is None else row
+        return row | {"case": c.name, "op": op, "bytes": c.num_bytes, "segments": c.num_segments, **got}
 
+    def sweep(self) -> dict[str, Any]:
+        """Each kernel launch shape on D's reads; the best has the highest mean share of each case's best."""
+        rows = []
+        for kv in SWEEP:
+            for name in SWEEP_CASES:
+                v = {"method": "kernel", "kernel": kv}
+                if row := self.measure(f"sweep/{kv}/{name}", "cuda_ipc", "read", name, v, kernel=kv):
+                    rows.append({**row, "gbps": row["bytes"] / row["device_us"] / 1e3})
+        top = {c: max((r["gbps"] for r in rows if r["case"] == c), default=0.0) for c in SWEEP_CASES}
+        scores: dict[str, list[float]] = {}
+        for r in rows:
+            scores.setdefault(json.dumps(r["kernel"], sort_keys=True), []).append(r["gbps"] / top[r["case"]])
+        complete = {k: sum(v) / len(v) for k, v in scores.items() if len(v) == len(SWEEP_CASES)}
+        best = json.loads(max(complete, key=complete.__getitem__)) if complete else {}
+        print(f"kernel variant chosen by the sweep (--variant '{json.dumps(best)}'): {complete}", flush=True)
+        return {"rows": rows, "scores": complete, "best": best}
 
-def sweep(P: Proc, D: Proc, iters: int, result: dict[str, Any]) -> dict[str, Any]:
-    rows = []
-    for kv in SWEEP:
-        for name in SWEEP_CASES:
-            variant = {"method": "kernel", "kernel": kv}
-            if row := measured(
-                P, D, result, f"sweep/{kv}/{name}", "cuda_ipc", "read", name, variant, iters, kernel=kv
-            ):
-                rows.append({**row, "gbps": row["bytes"] / row["device_us"] / 1e3})
-    best_per_case = {c: max((r["gbps"] for r in rows if r["case"] == c), default=0.0) for c in SWEEP_CASES}
-    scores: dict[str, list[float]] = {}
-    for r in rows:
-        scores.setdefault(json.dumps(r["kernel"], sort_keys=True), []).append(
-            r["gbps"] / best_per_case[r["case"]]
-        )
-    complete = {k: sum(v) / len(v) for k, v in scores.items() if len(v) == len(SWEEP_CASES)}
-    best = json.loads(max(complete, key=complete.__getitem__)) if complete else {}
-    print(
-        f"kernel variant chosen by the sweep (--variant '{json.dumps(best)}'), scores {complete}", flush=True
-    )
-    return {"rows": rows, "scores": complete, "best": best}
+    def table(self, best: dict[str, Any], methods: set[str]) -> list[dict[str, Any]]:
+        rows = []
+        for name in cases():
+            for op in ("read", "write"):
+                for label, v in table_variants(best).items():
+                    k = f"{name}/contiguous" if v.get("ceiling") else name
+                    if not methods or label in methods:
+                        rows.append(
+                            self.measure(f"table/{name}/{op}/{label}", "cuda_ipc", op, k, v, variant=label)
+                        )
+        return [r for r in rows if r]
+
+    def peers(self, names: list[str]) -> list[dict[str, Any]]:
+        rows, P, D = [], self.P, self.D
+        for peer in names:
+            descs = self.attempt(
+                f"peers/{peer}/setup", lambda p=peer: (P.call("add_backend", p), D.call("add_backend", p))
+            )
+            connect = lambda p=peer, d=descs: (
+                P.call("connect_backend", p, d[1]),
+                D.call("connect_backend", p, d[0]),
+            )
+            if descs is None or self.attempt(f"peers/{peer}/connect", connect) is None:
+                continue
+            for name in cases():
+                for op in ("read", "write"):
+                    for mode in ("create", "repost") if peer == "nixl" else ("arrays",):
+                        key = f"peers/{peer}/{name}/{op}/{mode}"
+                        rows.append(self.measure(key, peer, op, name, {"mode": mode}, peer=peer, mode=mode))
+            info = {
+                r: self.attempt(f"peers/{peer}/info/{r}", lambda x=x, p=peer: x.call("backend_info", p))
+                for r, x in (("D", D), ("P", P))
+            }
+            self.result.setdefault("peer_info", {})[peer] = info
+        return [r for r in rows if r]
 
 
 def table_variants(best: dict[str, Any]) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {
         "ceiling": {"method": "memcpy", "ceiling": True},
         "naive": {"method": "memcpy"},
-        "kernel": {"method": "kernel", "kernel": best},
-        "copy_engine": {"method": "copy_engine"},
-        "copy_engine_overlap": {"method": "copy_engine", "prefer_overlap": True},
-        "auto": {"method": "auto", "kernel": best},
     }
+    out |= {"kernel": {"method": "kernel", "kernel": best}, "copy_engine": {"method": "copy_engine"}}
+    out |= {"copy_engine_overlap": {"method": "copy_engine", "prefer_overlap": True}}
+    out |= {"auto": {"method": "auto", "kernel": best}}
     return out | ({"kernel_default": {"method": "kernel", "kernel": {}}} if best else {})
-
-
-def peers(P: Proc, D: Proc, names: list[str], iters: int, result: dict[str, Any]) -> list[dict[str, Any]]:
-    rows = []
-    for peer in names:
-        descs = attempt(
-            result, f"peers/{peer}/setup", lambda p=peer: (P.call("add_backend", p), D.call("add_backend", p))
-        )
-        connect = lambda p=peer, d=descs: (
-            P.call("connect_backend", p, d[1]),
-            D.call("connect_backend", p, d[0]),
-        )
-        if descs is None or attempt(result, f"peers/{peer}/connect", connect) is None:
-            continue
-        for name in cases():
-            for op in ("read", "write"):
-                for mode in ("create", "repost") if peer == "nixl" else ("arrays",):
-                    key = f"peers/{peer}/{name}/{op}/{mode}"
-                    if row := measured(
-                        P, D, result, key, peer, op, name, {"mode": mode}, iters, peer=peer, mode=mode
-                    ):
-                        rows.append(row)
-        for role, proc in (("D", D), ("P", P)):
-            info = attempt(
-                result, f"peers/{peer}/info/{role}", lambda pr=proc, p=peer: pr.call("backend_info", p)
-            )
-            result.setdefault("peer_info", {}).setdefault(peer, {})[role] = info
-    return rows
 
 
 def load(
@@ -265,6 +258,10 @@ def load(
 # -- the summary, the goals and the plot ------------------------------------------------------------
 
 
+def _ratio(a: float | None, b: float | None, digits: int) -> float | None:
+    return round(a / b, digits) if a and b else None
+
+
 def _gbps(nbytes: int, us: float | None) -> float | None:
     return round(nbytes / us / 1e3, 1) if us else None
 
@@ -280,104 +277,82 @@ def summarize(result: dict[str, Any]) -> None:
     for (name, op, variant), r in by.items():
         ceil = by.get((name, op, "ceiling")) or {}
         row = {
-            "case": name,
-            "op": op,
-            "variant": variant,
-            "method": r.get("method"),
-            "segments": r["segments"],
-            "host_us": r["host_us"],
-            "device_us": r["device_us"],
-            "host_GBps": _gbps(r["bytes"], r["host_us"]),
-            "device_GBps": _gbps(r["bytes"], r["device_us"]),
-            "verified": r.get("verified"),
+            k: r.get(k)
+            for k in ("case", "op", "variant", "method", "segments", "host_us", "device_us", "verified")
         }
-        for kind in ("device", "host"):
-            if ceil.get(f"{kind}_us") and r.get(f"{kind}_us"):
-                row[f"{kind}_vs_ceiling"] = round(ceil[f"{kind}_us"] / r[f"{kind}_us"], 3)
-        for p in result.get("peers") or []:
-            if (p["case"], p["op"]) == (name, op) and p.get("host_us") and r.get("host_us"):
-                row[f"x_vs_{p['peer']}_{p['mode']}"] = round(p["host_us"] / r["host_us"], 1)
+        for k in ("host", "device"):
+            row[f"{k}_GBps"] = _gbps(r["bytes"], r[f"{k}_us"])
+            row[f"{k}_vs_ceiling"] = _ratio(ceil.get(f"{k}_us"), r.get(f"{k}_us"), 3)
+        for p in (p for p in result.get("peers") or [] if (p["case"], p["op"]) == (name, op)):
+            row[f"x_vs_{p['peer']}_{p['mode']}"] = _ratio(p.get("host_us"), r.get("host_us"), 1)
         table.append(row)
         if variant not in OURS:
             continue
         best = by.get((name, op, fastest.get(f"{name}/{op}", "")))
         if r["host_us"] is not None and (best is None or r["host_us"] < best["host_us"]):
             fastest[f"{name}/{op}"] = variant
-        checks = []
-        if name == "layer_major/128":
-            checks.append(
-                (
-                    f"<= {goal['small_e2e_us']} us end to end",
-                    row["host_us"],
-                    (row["host_us"] or 1e9) <= goal["small_e2e_us"],
-                )
-            )
-        v = row.get("device_vs_ceiling")
-        if v is not None and name.startswith("layer_major/") and int(name.split("/")[1]) >= 1024:
-            checks.append(
-                (
-                    f">= {goal['layer_major_vs_ceiling']:.0%} of the contiguous copy (device)",
-                    v,
-                    v >= goal["layer_major_vs_ceiling"],
-                )
-            )
-        if v is not None and name == "contiguous/2GiB":
-            checks.append(
-                (
-                    f">= {goal['contiguous_vs_ceiling']:.0%} of cudaMemcpyAsync (device)",
-                    v,
-                    v >= goal["contiguous_vs_ceiling"],
-                )
-            )
-        for k, x in row.items() if name.startswith("layer_major/") else []:
-            if k.startswith("x_vs_"):
-                checks.append((f">= {goal['vs_peers']}x {k[5:]} (host)", x, x >= goal["vs_peers"]))
-        goals += [
-            {"goal": g, "case": name, "op": op, "variant": variant, "value": x, "met": m}
-            for g, x, m in checks
+        tokens, v = (
+            int(name.split("/")[1]) if name.startswith("layer_major/") else 0,
+            row["device_vs_ceiling"],
+        )
+        checks = [
+            (
+                tokens == 128,
+                f"<= {goal['small_e2e_us']} us end to end",
+                row["host_us"],
+                goal["small_e2e_us"],
+                -1,
+            ),
+            (
+                tokens >= 1024,
+                f">= {goal['layer_major_vs_ceiling']} of the contiguous copy (device)",
+                v,
+                goal["layer_major_vs_ceiling"],
+                1,
+            ),
+            (
+                name == "contiguous/2GiB",
+                f">= {goal['contiguous_vs_ceiling']} of cudaMemcpyAsync (device)",
+                v,
+                goal["contiguous_vs_ceiling"],
+                1,
+            ),
         ]
+        checks += [
+            (tokens > 0, f">= {goal['vs_peers']}x {k[5:]} (host)", x, goal["vs_peers"], 1)
+            for k, x in row.items()
+            if k.startswith("x_vs_")
+        ]
+        for applies, what, value, bound, sign in checks:
+            if applies and value is not None:
+                met = value >= bound if sign > 0 else value <= bound
+                goals.append(
+                    {"goal": what, "case": name, "op": op, "variant": variant, "value": value, "met": met}
+                )
     loaded = [r for r in (result.get("load") or {}).get("rows", []) if "decode_slowdown" in r]
-    goals += [
-        {
-            "goal": f"decode slowdown <= {goal['decode_slowdown']:.0%} (4k transfer)",
-            "variant": r["variant"],
-            "value": r["decode_slowdown"],
-            "met": r["decode_slowdown"] <= goal["decode_slowdown"],
-        }
-        for r in loaded
-    ]
+    for r in loaded:
+        met = r["decode_slowdown"] <= goal["decode_slowdown"]
+        what = f"decode slowdown <= {goal['decode_slowdown']} (4k transfer)"
+        goals.append({"goal": what, "variant": r["variant"], "value": r["decode_slowdown"], "met": met})
     least = min(loaded, key=lambda r: r["decode_slowdown"])["variant"] if loaded else None
-    result["summary"] = {
-        "table": table,
-        "goals": goals,
-        "recommendation": {"fastest_idle_by_host_time": fastest, "least_decode_slowdown": least},
-    }
+    recommend = {"fastest_idle_by_host_time": fastest, "least_decode_slowdown": least}
+    result["summary"] = {"table": table, "goals": goals, "recommendation": recommend}
 
 
 def print_table(result: dict[str, Any]) -> None:
     s = result.get("summary") or {}
     print(f"\n== {result.get('gpu')} | commit {result.get('commit')} | kernel {result.get('kernel_variant')}")
-    print("host us / device us per variant; 'ceil' = auto device vs ceiling; peers: host-time ratios")
-    lines: dict[tuple[str, str], list[str]] = {}
     for r in s.get("table", []):
-        lines.setdefault((r["case"], r["op"]), []).append(f"{r['variant']}={r['host_us']}/{r['device_us']}")
-        if r["variant"] == "auto":
-            peer = " ".join(f"{k[5:]}={v}x" for k, v in r.items() if k.startswith("x_vs_"))
-            lines[(r["case"], r["op"])].append(f"| auto ceil={r.get('device_vs_ceiling')} {peer}")
-    for (name, op), cells in lines.items():
-        print(f"{name:>17} {op:5} {' '.join(cells)}")
+        ratios = {k: v for k, v in r.items() if k.startswith("x_vs_") or k.endswith("_vs_ceiling")}
+        times = f"host {r['host_us']} us, device {r['device_us']} us"
+        print(f"{r['case']:>17} {r['op']:5} {r['variant']:>20}: {times} {ratios}")
     for p in result.get("peers") or []:
-        rate = _gbps(p["bytes"], p["host_us"])
-        print(
-            f"{p['peer']:>9} {p['mode']:7} {p['case']:>18} {p['op']:5} host {p['host_us']} us = {rate} GB/s"
-        )
-    if b := result.get("breakdown"):
-        print("breakdown (us):", {k: v for k, v in b.items() if k.endswith("_us")})
-    for r in (result.get("load") or {}).get("rows", []):
-        print("load:", r)
+        print(f"{p['peer']:>9} {p['mode']:7} {p['case']:>18} {p['op']:5} host {p['host_us']} us")
+    for key in ("breakdown", "load"):
+        print(f"{key}:", json.dumps(result.get(key), default=str)[:3000])
     for g in s.get("goals", []):
         where = f"{g.get('case', '')} {g.get('op', '')} {g['variant']}"
-        print(f"goal {'MET ' if g['met'] else 'MISS'} {g['goal']:<42} {where}: {g['value']}")
+        print(f"goal {'MET ' if g['met'] else 'MISS'} {g['goal']}: {where}: {g['value']}")
     print("recommendation:", s.get("recommendation"))
 
 
@@ -415,14 +390,10 @@ def plot(result: dict[str, Any], path: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=RESULTS)
-    ap.add_argument(
-        "--gpus", type=int, choices=(1, 2), default=1, help="1: P and D on cuda:0; 2: D on cuda:1"
-    )
+    ap.add_argument("--gpus", type=int, choices=(1, 2), default=1, help="2: D on cuda:1")
     ap.add_argument("--phases", default="sweep,table,breakdown,load")
     ap.add_argument("--peers", default="", help="comma list: nixl, mooncake")
-    ap.add_argument(
-        "--variant", default="", help="a JSON kernel variant instead of a sweep, e.g. '{\"unroll\": 8}'"
-    )
+    ap.add_argument("--variant", default="", help="a JSON kernel variant instead of a sweep")
     ap.add_argument(
         "--methods", default="", help="table rows (default all): " + ",".join(table_variants({"x": 1}))
     )
@@ -436,12 +407,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     names, iters = [p for p in args.peers.split(",") if p], 8 if args.quick else 20
     result: dict[str, Any] = run_record("transfer_gpu_bench", vars(args), args.commit or None)
-    result |= {
-        "layout": LAYOUT_KW,
-        "prompts": PROMPTS,
-        "errors": {},
-        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-    }
+    result |= {"layout": LAYOUT_KW, "prompts": PROMPTS, "errors": {}, "started": time.strftime("%F %T")}
     from bench.transfer_gpu_peers import set_env, transports
 
     result["peer_env"] = set_env(names)
@@ -451,51 +417,43 @@ def main() -> None:
     try:
         procs.append(P := Proc(ctx, worker.main, ("P", 0, stop), out / "worker-P.log"))
         procs.append(D := Proc(ctx, worker.main, ("D", d_dev, stop), out / "worker-D.log"))
-        result["gpu"] = D.hello
+        run, result["gpu"] = Run(P, D, result, iters), D.hello
         descs = P.call("add_backend", "cuda_ipc"), D.call("add_backend", "cuda_ipc")
         P.call("connect_backend", "cuda_ipc", descs[1])
         D.call("connect_backend", "cuda_ipc", descs[0])
         result["env"] = D.call("environment")
         best: dict[str, Any] = json.loads(args.variant) if args.variant else {}
-        if "sweep" in phases and not args.variant:
-            if (found := attempt(result, "sweep", lambda: sweep(P, D, iters, result))) is not None:
-                result["sweep"], best = found, found["best"]
+        if "sweep" in phases and not args.variant and (found := run.attempt("sweep", run.sweep)) is not None:
+            result["sweep"], best = found, found["best"]
         result["kernel_variant"] = best
         if "table" in phases:
-            methods, rows = set(filter(None, args.methods.split(","))), []
-            for name in cases():
-                for op in ("read", "write"):
-                    for label, v in table_variants(best).items():
-                        if methods and label not in methods:
-                            continue
-                        key, k = (
-                            f"table/{name}/{op}/{label}",
-                            f"{name}/contiguous" if v.get("ceiling") else name,
-                        )
-                        if row := measured(P, D, result, key, "cuda_ipc", op, k, v, iters, variant=label):
-                            rows.append(row)
-            result["table"] = rows
+            result["table"] = run.table(best, set(filter(None, args.methods.split(","))))
         if "breakdown" in phases:
             variant = {"method": "kernel", "kernel": best}
-            result["breakdown"] = attempt(
-                result, "breakdown", lambda: D.call("breakdown", "layer_major/128", variant)
+            result["breakdown"] = run.attempt(
+                "breakdown", lambda: D.call("breakdown", "layer_major/128", variant)
             )
+        info = lambda pr: lambda: pr.call("backend_info", "cuda_ipc")
         result["cuda_ipc_info"] = {
-            role: attempt(result, f"info/{role}", lambda pr=pr: pr.call("backend_info", "cuda_ipc"))
-            for role, pr in (("D", D), ("P", P))
+            role: run.attempt(f"info/{role}", info(pr)) for role, pr in (("D", D), ("P", P))
         }
-        if names:
-            result["peers"] = peers(P, D, names, iters, result)
+        result["peers"] = run.peers(names)
         if "load" in phases:
-            result["load"] = attempt(result, "load", lambda: load(ctx, D, stop, d_dev, best, out, procs))
+            result["load"] = run.attempt("load", lambda: load(ctx, D, stop, d_dev, best, out, procs))
     finally:
         for proc in reversed(procs):
             proc.close()
         result["wall_s"] = round(time.perf_counter() - t0, 1)
         result["transport_log_lines"] = {role: transports(out / f"worker-{role}.log") for role in ("P", "D")}
-        attempt(result, "summary", lambda: summarize(result))
+        for key, fn in (
+            ("summary", lambda: summarize(result)),
+            ("plot", lambda: plot(result, out / f"{args.name}.png")),
+        ):
+            try:
+                fn()
+            except Exception as exc:
+                result["errors"][key] = repr(exc)
         write_json(out / f"{args.name}.json", result)
-        attempt(result, "plot", lambda: plot(result, out / f"{args.name}.png"))
         print_table(result)
         if result["errors"]:
             print("errors:", json.dumps(result["errors"], indent=1)[:6000])
