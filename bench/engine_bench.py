@@ -3,8 +3,9 @@ one run, taking turns (a drifting host load hits all alike), median of --repeats
 
 ``--scenario throughput``: per batch size B, one step prefills B prompts of --prompt-len tokens,
 then --decode-steps steps decode back to back (one synchronisation before and after). Beside the
-engine: --baseline-kernels (the same engine on other kernels), --shaping (penalties and logit_bias
-on every request).
+engine: the ``transformers`` model of the same architecture (one forward, then a greedy loop with
+its KV cache; --no-hf skips it), --baseline-kernels (the same engine on other kernels), --shaping
+(penalties and logit_bias on every request).
 ``--scenario long-prompt``: --running requests decode at steady state, then a --long-prompt-len
 prompt arrives: their inter-token gaps before, while it is prefilled and while it decodes, unchunked
 against chunked at each of --budgets (--overlap: each also overlapped).
@@ -24,6 +25,7 @@ import itertools
 import random
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -88,6 +90,74 @@ def engine_run(
         "prefill_s": prefill_s,
         "decode_step_ms": 1e3 * decode_s / a.decode_steps,
     }
+
+
+HF_SAME = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "head_dim",
+    "max_position_embeddings",
+    "rms_norm_eps",
+)
+HF_RENAMED = {
+    "num_hidden_layers": "num_layers",
+    "num_attention_heads": "num_heads",
+    "num_key_value_heads": "num_kv_heads",
+}
+HF_CONFIGS = {
+    "llama": "LlamaConfig",
+    "mistral": "MistralConfig",
+    "qwen2": "Qwen2Config",
+    "qwen3": "Qwen3Config",
+}
+
+
+def hf_model(engine: Engine) -> Any:
+    """The ``transformers`` model of the engine's architecture (random weights: speed does not
+    depend on them), or None without ``transformers``."""
+    try:
+        import transformers
+    except ImportError:
+        return None
+    transformers.logging.set_verbosity_error()  # the cache-argument deprecation notices, once per step
+    args, rope = engine.args, engine.args.rope
+    rope_kw: dict[str, Any] = {"rope_type": rope.rope_type, "rope_theta": rope.theta}
+    if rope.rope_type == "llama3":
+        names = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        rope_kw |= {k: getattr(rope, k) for k in names}
+    kw = {k: getattr(args, k) for k in HF_SAME} | {k: getattr(args, v) for k, v in HF_RENAMED.items()}
+    config = getattr(transformers, HF_CONFIGS[args.model_type])(
+        **kw, tie_word_embeddings=args.tie_word_embeddings, rope_parameters=rope_kw
+    )
+    with torch.device(engine.device):
+        return transformers.AutoModelForCausalLM.from_config(config, dtype=engine.dtype).eval()
+
+
+@torch.inference_mode()
+def hf_run(
+    model: Any, device: torch.device, batch: int, a: argparse.Namespace, seed: int
+) -> dict[str, float]:
+    """One forward over the engine's prompts, then greedy single-token forwards with its KV cache."""
+    gen = torch.Generator().manual_seed(seed + 1000)
+    ids = torch.randint(0, 256, (batch, a.prompt_len), generator=gen).to(device)
+    sync(device)
+    start = time.perf_counter()
+    out = model(ids, use_cache=True, logits_to_keep=1)
+    sync(device)
+    prefill_s, start = time.perf_counter() - start, time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        for _ in range(a.decode_steps):
+            token = out.logits[:, -1].argmax(-1, keepdim=True)  # [B, 1]
+            out = model(token, past_key_values=out.past_key_values, use_cache=True)
+    sync(device)
+    decode_s = time.perf_counter() - start
+    rates = {
+        "prefill_tok_s": batch * a.prompt_len / prefill_s,
+        "decode_tok_s": batch * a.decode_steps / decode_s,
+    }
+    return {**rates, "prefill_s": prefill_s, "decode_step_ms": 1e3 * decode_s / a.decode_steps}
 
 
 class Clock:
@@ -224,6 +294,7 @@ def throughput(a: argparse.Namespace) -> tuple[dict[str, Any], Callable[[Any, Pa
     baseline = (
         build(a, max_len, num_blocks, kernels=a.baseline_kernels, **size) if a.baseline_kernels else None
     )
+    hf = None if a.no_hf else hf_model(engine)
     for batch in batches:
         runs: dict[str, Callable[[], dict[str, Any]]] = {}
         seeds = itertools.count()
@@ -236,6 +307,10 @@ def throughput(a: argparse.Namespace) -> tuple[dict[str, Any], Callable[[Any, Pa
             runs[f"engine-{a.baseline_kernels}"] = functools.partial(
                 lambda b, s: engine_run(baseline, b, a, next(s)), batch, seeds
             )
+        if hf is not None:
+            runs["hf"] = functools.partial(
+                lambda b, s: hf_run(hf, engine.device, b, a, next(s)), batch, seeds
+            )
         print(f"batch {batch}: {', '.join(runs)}, {a.repeats} turns each", flush=True)
         row: dict[str, Any] = {
             "batch_size": batch,
@@ -245,11 +320,13 @@ def throughput(a: argparse.Namespace) -> tuple[dict[str, Any], Callable[[Any, Pa
             row["shaping_decode_cost"] = (
                 1 - row["engine-shaped"]["decode_tok_s"] / row["engine"]["decode_tok_s"]
             )
+        if hf is not None:
+            row["ratio"] = {k: row["engine"][k] / row["hf"][k] for k in ("prefill_tok_s", "decode_tok_s")}
         results.append(row)
 
     def plot(fig_axes: Any, path: Path) -> None:
         axes = fig_axes[1]
-        names = [k for k in results[0] if isinstance(results[0][k], dict)]
+        names = [k for k in results[0] if isinstance(results[0][k], dict) and k != "ratio"]
         for ax, key in zip(axes, ("prefill_tok_s", "decode_tok_s"), strict=True):
             for k, name in enumerate(names):
                 xs = [i + 0.8 / len(names) * k for i in range(len(batches))]
@@ -324,6 +401,7 @@ def main() -> None:
     add("--repeats", type=int, default=3)
     add("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     add("--no-cuda-graphs", action="store_true", help="run decode steps eagerly on CUDA")
+    add("--no-hf", action="store_true", help="skip the transformers baseline")
     add("--kernels", default="auto", choices=["auto", "torch", "triton"], help="engine.kernels")
     add("--baseline-kernels", default="", choices=["", "torch", "triton"], help="also an engine on these")
     add(
