@@ -47,6 +47,11 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
 
 
+def median(values: list[float]) -> float:
+    """The p50 of ``values`` (0.0 when empty)."""
+    return percentile(values, 0.5) or 0.0
+
+
 def stats(values: list[float]) -> dict[str, float | None]:
     """p50, p99 and mean of ``values`` (None each when empty)."""
     mean = statistics.fmean(values) if values else None

@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, for bench and moriio_ray
 
-from bench.common import RESULTS, csv, percentile, pyplot, run_record, save, write_json
+from bench.common import RESULTS, csv, median, percentile, pyplot, run_record, save, write_json
 from moriio_ray.config import EngineConfig, ModelConfig
 from moriio_ray.engine.engine import Engine
 from moriio_ray.engine.sampling import SamplingParams
@@ -51,10 +51,6 @@ SHAPING: dict[str, Any] = dict(
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def median(values: list[float]) -> float:
-    return percentile(values, 0.5) or 0.0
 
 
 def blocks(tokens: int, block_size: int) -> int:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import socket
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -30,7 +29,7 @@ import msgspec
 import numpy as np
 import torch
 
-from bench.common import RESULTS, agent_op, load_goals, pyplot, run_record, save, write_json
+from bench.common import RESULTS, agent_op, load_goals, median, pyplot, run_record, save, write_json
 from moriio_ray import env
 from moriio_ray.transfer import (
     TransferConfig,
@@ -144,7 +143,7 @@ def side_by_side(mine: Case, base: Case, reps: int) -> tuple[float, float]:
             cases[i][0]()
             times[i].append(time.perf_counter() - start)
             cases[i][1]()
-    return statistics.median(times[0]), statistics.median(times[1])
+    return median(times[0]), median(times[1])
 
 
 class Bench:

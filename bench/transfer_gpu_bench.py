@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
-import statistics
 import sys
 import time
 import traceback
@@ -33,7 +32,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: moriio_ray and bench
 
 from bench import transfer_gpu_worker as worker
-from bench.common import RESULTS, load_goals, pyplot, run_record, save, write_json
+from bench.common import RESULTS, load_goals, median, pyplot, run_record, save, write_json
 from bench.transfer_gpu_worker import LAYOUT_KW, PROMPTS, cases
 
 SWEEP: list[dict[str, Any]] = [
@@ -231,11 +230,11 @@ def load(
             stop.set()
             looping, looped = False, D.answer(120)
             idle_after = engine.call("steps", LOAD_STEPS)
-            base = (statistics.median(idle_before) + statistics.median(idle_after)) / 2
+            base = (median(idle_before) + median(idle_after)) / 2
             row |= {
                 "step_ms_idle": round(base * 1e3, 3),
-                "step_ms_loaded": round(statistics.median(loaded) * 1e3, 3),
-                "decode_slowdown": round(statistics.median(loaded) / base - 1, 4),
+                "step_ms_loaded": round(median(loaded) * 1e3, 3),
+                "decode_slowdown": round(median(loaded) / base - 1, 4),
                 "transfers_during": looped["transfers"],
                 "transfer_loaded_us": looped["transfer_us"],
             }

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import statistics
 import sys
 import time
 import traceback
@@ -24,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from bench.common import agent_op
+from bench.common import agent_op, median
 
 LAYOUT_KW = dict(
     num_layers=32, num_blocks=2048, block_size=16, num_kv_heads=8, head_dim=128, dtype="bfloat16"
@@ -144,7 +143,7 @@ class CudaIpcBackend:
 
 
 def _us(xs: list[float]) -> float | None:
-    return round(statistics.median(xs) * 1e6, 2) if xs else None
+    return round(median(xs) * 1e6, 2) if xs else None
 
 
 def _time(fn: Callable[[], Any], iters: int = 300, drain: Callable[[], Any] | None = None) -> float | None:
