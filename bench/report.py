@@ -186,18 +186,16 @@ def markdown(report: dict[str, Any]) -> str:
     lines += _table(["system", "prompt", *columns], rows)
     if not columns:
         return "\n".join(lines) + "\n"
-    low, high = columns[0], "c=64" if "c=64" in columns else columns[-1]
+    picked = list(dict.fromkeys([columns[0], "c=64" if "c=64" in columns else columns[-1]]))
     rows = []
     for name in names:
         for n in lens:
-            row = [name, str(n)]
-            for metric in ("tpot_s", "ttft_s"):
-                for load in (low, high):
-                    s = find(report, name, load, n)
-                    row.append(_pq(s[metric]) if s else "-")
-            rows.append(row)
-    lines += ["", f"Latency in ms: TPOT and TTFT p50 / p99 at {low} and {high}.", ""]
-    lines += _table(["system", "prompt", f"TPOT {low}", f"TPOT {high}", f"TTFT {low}", f"TTFT {high}"], rows)
+            cells = [
+                (metric, find(report, name, load, n)) for metric in ("tpot_s", "ttft_s") for load in picked
+            ]
+            rows.append([name, str(n), *(_pq(s[metric]) if s else "-" for metric, s in cells)])
+    lines += ["", f"Latency in ms: TPOT and TTFT p50 / p99 at {' and '.join(picked)}.", ""]
+    lines += _table(["system", "prompt", *(f"{m} {load}" for m in ("TPOT", "TTFT") for load in picked)], rows)
     rows = []
     for name in (x for x in names if "/" in x and not x.endswith("/python")):
         base_name = name.split("/")[0] + "/python"
