@@ -1,38 +1,28 @@
-"""Engine throughput: prefill and decode tokens/s at several batch sizes, beside plain ``transformers``.
+"""The built-in engine alone: throughput, and two scenarios, each configuration beside the others in
+one run, taking turns (a drifting host load hits all alike), median of --repeats after a warm-up.
 
-For each batch size B the built-in engine (colocated role) takes B random prompts of --prompt-len
-tokens: one ``step()`` prefills them all (one prefill batch) and samples the first tokens, then
---decode-steps ``step()`` calls decode one token per sequence each (greedy, EOS ignored). Timed:
-whole engine steps (scheduling, input building, forward, sampling), wall clock between device
-synchronisations (the prefill step alone; the decode steps back to back, with no synchronisation
-between them), median of --repeats runs after one warm-up run that is not counted.
-
-The baseline ("hf"), in the same run on the same device and dtype, is the ``transformers`` model of
-the same architecture (its own random weights; speed does not depend on them): one forward over
-the prompts (``logits_to_keep=1``), then a greedy loop of single-token forwards with its KV cache.
-The two systems take turns, run by run, so that a drifting host load affects both alike.
-
-    python bench/engine_bench.py --preset tiny --device cpu --dtype float32
-    python bench/engine_bench.py --preset llama-1b --device cuda --dtype bfloat16
-
-Writes bench/results/engine_<preset>_<device>_<dtype>.json and .png.
-
+``--scenario throughput``: per batch size B, one step prefills B prompts of --prompt-len tokens,
+then --decode-steps steps decode back to back (one synchronisation before and after). Beside the
+engine: the ``transformers`` model of the same architecture (one forward, then a greedy loop with
+its KV cache; --no-hf skips it), --baseline-kernels (the same engine on other kernels), --shaping
+(penalties and logit_bias on every request).
 ``--scenario long-prompt``: --running requests decode at steady state, then a --long-prompt-len
-prompt arrives; their inter-token gaps before and while it is prefilled, unchunked against chunked
-at each of --budgets (and, with --overlap, overlapped), in one run. ``--scenario closed-loop``:
---concurrency requests in flight of random lengths, generated tokens/s per configuration
-(``bench/engine_scenarios.py``). Each writes engine_<scenario>_<preset>_<device>_<dtype>.json, .png:
+prompt arrives: their inter-token gaps before, while it is prefilled and while it decodes, unchunked
+against chunked at each of --budgets (--overlap: each also overlapped).
+``--scenario closed-loop``: --concurrency in flight of random lengths; generated tok/s and gaps.
 
-    python bench/engine_bench.py --scenario long-prompt --preset tiny --threads 1
-    python bench/engine_bench.py --scenario long-prompt --device cuda --preset llama-1b --dtype bfloat16
+    python bench/engine_bench.py --preset llama-1b --device cuda --dtype bfloat16 --batch-sizes 1,64,128
+    python bench/engine_bench.py --scenario long-prompt --threads 1 --repeats 5 --budgets 32,64
+
+Writes <out>/engine[_<scenario>]_<preset>_<device>_<dtype>.json and .png.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-import os
-import statistics
+import itertools
+import random
 import sys
 import time
 import warnings
@@ -42,15 +32,20 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, for moriio_ray
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, for bench and moriio_ray
 
-
-from bench import engine_scenarios as scenarios
+from bench.common import RESULTS, csv, median, percentile, pyplot, run_record, save, write_json
 from moriio_ray.config import EngineConfig, ModelConfig
-from moriio_ray.engine.arch import ModelArgs
 from moriio_ray.engine.engine import Engine
 from moriio_ray.engine.sampling import SamplingParams
-from moriio_ray.engine.sequence import blocks_for
+
+# what --shaping puts on every request: the penalties and a logit bias
+SHAPING: dict[str, Any] = dict(
+    presence_penalty=0.5,
+    frequency_penalty=0.5,
+    repetition_penalty=1.1,
+    logit_bias={t: 1.0 for t in range(0, 256, 16)},
+)
 
 
 def sync(device: torch.device) -> None:
@@ -58,320 +53,392 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed(device: torch.device, fn: Callable[[], Any]) -> tuple[float, Any]:
-    """Wall seconds of ``fn()`` between device synchronisations, and its result."""
-    sync(device)
-    start = time.perf_counter()
-    result = fn()
-    sync(device)
-    return time.perf_counter() - start, result
-
-
-def random_prompts(batch: int, prompt_len: int, vocab: int, seed: int) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(0, min(vocab, 256), (batch, prompt_len), generator=gen).tolist()
-
-
-# ----------------------------------------------------------------------------------------------
-# the engine
-
-
-# What ``--shaping`` puts on every request: the penalties and a logit bias (issue: their cost at c=64)
-SHAPING: dict[str, Any] = {
-    "presence_penalty": 0.5,
-    "frequency_penalty": 0.5,
-    "repetition_penalty": 1.1,
-    "logit_bias": {token: 1.0 for token in range(0, 256, 16)},
-}
+def blocks(tokens: int, block_size: int) -> int:
+    return -(-tokens // block_size)
 
 
 def engine_run(
-    engine: Engine, batch: int, prompt_len: int, decode_steps: int, seed: int, shaped: bool = False
+    engine: Engine, batch: int, a: argparse.Namespace, seed: int, shaped: bool = False
 ) -> dict[str, float]:
-    """One prefill step of ``batch`` prompts, then ``decode_steps`` decode steps; seconds and tokens.
-    With overlapped scheduling a step's tokens come back with the next step: the prefill phase ends
-    with the step that returns the first tokens (it launched the first decode), and the decode phase
-    ends with the step that only reads the last one back."""
-    params = SamplingParams(max_tokens=decode_steps + 1, ignore_eos=True, **(SHAPING if shaped else {}))
-    for i, prompt in enumerate(random_prompts(batch, prompt_len, engine.args.vocab_size, seed)):
-        engine.add_request(f"b{batch}-s{seed}-{i}", prompt, params)
-    prefill_s, num_first = 0.0, 0
-    while num_first == 0:
-        step_s, outs = timed(engine.device, engine.step)
-        prefill_s += step_s
-        num_first = sum(len(o.new_token_ids) for o in outs)
-    assert num_first == batch, "prefill was split"
-    # the decode steps back to back, as a serving engine runs them: one synchronisation before and
-    # one after, none between steps (a sync per step would stop overlapped scheduling from hiding
-    # the host's work, and add its own latency to every step)
-    num_decoded = 0
+    """One prefill step of ``batch`` prompts, then the decode steps back to back. With overlapped
+    scheduling a step's tokens come back with the next step: the prefill ends with the step that
+    returns the first tokens, the decode with the one that reads the last back."""
+    params = SamplingParams(max_tokens=a.decode_steps + 1, ignore_eos=True, **(SHAPING if shaped else {}))
+    gen = torch.Generator().manual_seed(seed + 1000)
+    for i, prompt in enumerate(torch.randint(0, 256, (batch, a.prompt_len), generator=gen).tolist()):
+        engine.add_request(f"b{batch}-s{seed}-{i}-{shaped}", prompt, params)
     sync(engine.device)
+    start, num_first = time.perf_counter(), 0
+    while num_first == 0:
+        num_first = sum(len(o.new_token_ids) for o in engine.step())
+    sync(engine.device)
+    prefill_s, num_decoded = time.perf_counter() - start, 0
+    assert num_first == batch, "prefill was split"
     start = time.perf_counter()
     while engine.has_work():
         num_decoded += sum(len(o.new_token_ids) for o in engine.step())
     sync(engine.device)
     decode_s = time.perf_counter() - start
-    assert num_decoded == batch * decode_steps
+    assert num_decoded == batch * a.decode_steps
     return {
+        "prefill_tok_s": batch * a.prompt_len / prefill_s,
+        "decode_tok_s": num_decoded / decode_s,
         "prefill_s": prefill_s,
-        "decode_s": decode_s,
-        "prefill_tokens": batch * prompt_len,
-        "decode_tokens": num_decoded,
+        "decode_step_ms": 1e3 * decode_s / a.decode_steps,
     }
 
 
-# ----------------------------------------------------------------------------------------------
-# the transformers baseline
+HF_SAME = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "head_dim",
+    "max_position_embeddings",
+    "rms_norm_eps",
+)
+HF_RENAMED = {
+    "num_hidden_layers": "num_layers",
+    "num_attention_heads": "num_heads",
+    "num_key_value_heads": "num_kv_heads",
+}
+HF_CONFIGS = {
+    "llama": "LlamaConfig",
+    "mistral": "MistralConfig",
+    "qwen2": "Qwen2Config",
+    "qwen3": "Qwen3Config",
+}
 
 
-def hf_model(args: ModelArgs, dtype: torch.dtype, device: torch.device) -> Any:
-    """A ``transformers`` model with the preset's architecture (random weights), or None if unavailable."""
+def hf_model(engine: Engine) -> Any:
+    """The ``transformers`` model of the engine's architecture (random weights: speed does not
+    depend on them), or None without ``transformers``."""
     try:
         import transformers
     except ImportError:
         return None
     transformers.logging.set_verbosity_error()  # the cache-argument deprecation notices, once per step
-    rope: dict[str, Any] = {"rope_type": args.rope.rope_type, "rope_theta": args.rope.theta}
-    if args.rope.rope_type == "llama3":
-        rope.update(
-            factor=args.rope.factor,
-            low_freq_factor=args.rope.low_freq_factor,
-            high_freq_factor=args.rope.high_freq_factor,
-            original_max_position_embeddings=args.rope.original_max_position_embeddings,
-        )
-    config_cls = {
-        "llama": "LlamaConfig",
-        "mistral": "MistralConfig",
-        "qwen2": "Qwen2Config",
-        "qwen3": "Qwen3Config",
-    }[args.model_type]
-    config = getattr(transformers, config_cls)(
-        vocab_size=args.vocab_size,
-        hidden_size=args.hidden_size,
-        intermediate_size=args.intermediate_size,
-        num_hidden_layers=args.num_layers,
-        num_attention_heads=args.num_heads,
-        num_key_value_heads=args.num_kv_heads,
-        head_dim=args.head_dim,
-        max_position_embeddings=args.max_position_embeddings,
-        rms_norm_eps=args.rms_norm_eps,
-        tie_word_embeddings=args.tie_word_embeddings,
-        rope_parameters=rope,
+    args, rope = engine.args, engine.args.rope
+    rope_kw: dict[str, Any] = {"rope_type": rope.rope_type, "rope_theta": rope.theta}
+    if rope.rope_type == "llama3":
+        names = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        rope_kw |= {k: getattr(rope, k) for k in names}
+    kw = {k: getattr(args, k) for k in HF_SAME} | {k: getattr(args, v) for k, v in HF_RENAMED.items()}
+    config = getattr(transformers, HF_CONFIGS[args.model_type])(
+        **kw, tie_word_embeddings=args.tie_word_embeddings, rope_parameters=rope_kw
     )
-    with torch.device(device):
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
-    return model.eval()
+    with torch.device(engine.device):
+        return transformers.AutoModelForCausalLM.from_config(config, dtype=engine.dtype).eval()
 
 
 @torch.inference_mode()
 def hf_run(
-    model: Any, batch: int, prompt_len: int, decode_steps: int, device: torch.device, seed: int
+    model: Any, device: torch.device, batch: int, a: argparse.Namespace, seed: int
 ) -> dict[str, float]:
-    """One forward over the prompts, then ``decode_steps`` greedy single-token forwards."""
-    ids = torch.tensor(random_prompts(batch, prompt_len, model.config.vocab_size, seed), device=device)
-    prefill_s, out = timed(device, lambda: model(ids, use_cache=True, logits_to_keep=1))
-
-    def decode() -> None:
-        nonlocal out
-        for _ in range(decode_steps):
-            token = out.logits[:, -1].argmax(-1, keepdim=True)  # [B, 1]
-            out = model(token, past_key_values=out.past_key_values, use_cache=True)
-
+    """One forward over the engine's prompts, then greedy single-token forwards with its KV cache."""
+    gen = torch.Generator().manual_seed(seed + 1000)
+    ids = torch.randint(0, 256, (batch, a.prompt_len), generator=gen).to(device)
+    sync(device)
+    start = time.perf_counter()
+    out = model(ids, use_cache=True, logits_to_keep=1)
+    sync(device)
+    prefill_s, start = time.perf_counter() - start, time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
-        decode_s, _ = timed(device, decode)
+        for _ in range(a.decode_steps):
+            token = out.logits[:, -1].argmax(-1, keepdim=True)  # [B, 1]
+            out = model(token, past_key_values=out.past_key_values, use_cache=True)
+    sync(device)
+    decode_s = time.perf_counter() - start
+    rates = {
+        "prefill_tok_s": batch * a.prompt_len / prefill_s,
+        "decode_tok_s": batch * a.decode_steps / decode_s,
+    }
+    return {**rates, "prefill_s": prefill_s, "decode_step_ms": 1e3 * decode_s / a.decode_steps}
+
+
+class Clock:
+    """Steps an engine, stamping each output token of each request with the step's return time."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine, self.stamps, self.finished = engine, dict[str, list[float]](), set[str]()
+        self.steps: list[tuple[float, float]] = []
+
+    def step(self) -> None:
+        start = time.perf_counter()
+        outputs = self.engine.step()
+        sync(self.engine.device)
+        now = time.perf_counter()
+        self.steps.append((start, now))
+        for out in outputs:
+            self.stamps.setdefault(out.request_id, []).extend([now] * len(out.new_token_ids))
+            if out.finished:
+                self.finished.add(out.request_id)
+
+    def gaps(self, ids: list[str], start: float, end: float, overlapping: bool = False) -> list[float]:
+        """Inter-token gaps (s) of ``ids`` within [start, end], or that overlap it at all."""
+        pairs = (p for rid in ids for p in itertools.pairwise(self.stamps.get(rid, [])))
+        if overlapping:
+            return [b - a for a, b in pairs if b > start and a < end]
+        return [b - a for a, b in pairs if a >= start and b <= end]
+
+
+def _prompt(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(32, 127) for _ in range(n)]
+
+
+def _ms(values: list[float]) -> dict[str, float]:
+    return {"p50": 1e3 * median(values), "p99": 1e3 * (percentile(values, 0.99) or 0.0), "n": len(values)}
+
+
+def long_prompt(make: Callable[[], Engine], a: argparse.Namespace) -> dict[str, Any]:
+    """Running requests decode; a long prompt arrives: their gaps before, during and after its prefill."""
+    engine, rng = make(), random.Random(0)
+    clock, ids = Clock(engine), [f"run{i}" for i in range(a.running)]
+    decode = SamplingParams(max_tokens=engine.max_model_len - a.running_prompt_len - 1, ignore_eos=True)
+    for rid in ids:
+        engine.add_request(rid, _prompt(rng, a.running_prompt_len), decode)
+    while any(len(clock.stamps.get(rid, [])) < 8 for rid in ids):  # prefilled, and warm
+        clock.step()
+    base_start = time.perf_counter()
+    for _ in range(32):
+        clock.step()
+    arrival = time.perf_counter()
+    engine.add_request(
+        "long", _prompt(rng, a.long_prompt_len), SamplingParams(max_tokens=32, ignore_eos=True)
+    )
+    while "long" not in clock.finished:
+        clock.step()
+    for rid in ids:
+        engine.abort(rid)
+    first = clock.stamps["long"][0]
+    before, during = clock.gaps(ids, base_start, arrival), clock.gaps(ids, arrival, first, overlapping=True)
     return {
-        "prefill_s": prefill_s,
-        "decode_s": decode_s,
-        "prefill_tokens": batch * prompt_len,
-        "decode_tokens": batch * decode_steps,
+        "tpot_before_ms": _ms(before),
+        "tpot_during_ms": {**_ms(during), "max": 1e3 * max(during)},
+        "tpot_after_ms": _ms(clock.gaps(ids, first, clock.stamps["long"][-1])),
+        "p99_during_over_p50_before": (percentile(during, 0.99) or 0.0) / median(before),
+        "long_ttft_ms": 1e3 * (first - arrival),
+        "prefill_steps": sum(1 for start, _ in clock.steps if arrival <= start < first),
+        "timeline": [round(t - arrival, 5) for t in clock.stamps[ids[0]] if base_start < t],  # for the plot
     }
 
 
-# ----------------------------------------------------------------------------------------------
+def closed_loop(make: Callable[[], Engine], a: argparse.Namespace) -> dict[str, Any]:
+    """``--concurrency`` in flight, ``--num-requests`` in all, of random prompt and output lengths."""
+    engine, rng = make(), random.Random(0)
+    clock, started = Clock(engine), 0
+    lens = [(rng.randint(*a.prompt_range), rng.randint(*a.output_range)) for _ in range(a.num_requests)]
+    specs = [(_prompt(rng, n), out) for n, out in lens]
+    t0 = time.perf_counter()
+    while len(clock.finished) < a.num_requests:
+        while started < a.num_requests and started - len(clock.finished) < a.concurrency:
+            params = SamplingParams(max_tokens=specs[started][1], ignore_eos=True)
+            engine.add_request(f"c{started}", specs[started][0], params)
+            started += 1
+        clock.step()
+    elapsed, ids = time.perf_counter() - t0, [f"c{i}" for i in range(a.num_requests)]
+    rates = {"generated_tok_s": sum(len(clock.stamps[rid]) for rid in ids) / elapsed}
+    rates["prompt_tok_s"] = sum(len(p) for p, _ in specs) / elapsed
+    return {**rates, "tpot_ms": _ms(clock.gaps(ids, t0, float("inf"))), "steps": len(clock.steps)}
 
 
-def median_rates(runs: list[dict[str, float]]) -> dict[str, float]:
-    return {
-        "prefill_tok_s": statistics.median(r["prefill_tokens"] / r["prefill_s"] for r in runs),
-        "decode_tok_s": statistics.median(r["decode_tokens"] / r["decode_s"] for r in runs),
-        "prefill_s": statistics.median(r["prefill_s"] for r in runs),
-        "decode_step_ms": statistics.median(1e3 * r["decode_s"] for r in runs)
-        / max(1, runs[0]["decode_steps"]),
-    }
-
-
-def measure(
-    runs: dict[str, Callable[[int], dict[str, float]]], repeats: int, decode_steps: int
-) -> dict[str, dict[str, float]]:
-    """Median rates of each system; the systems take turns, so drifting host load hits both alike."""
+def turns(runs: dict[str, Callable[[], dict[str, Any]]], repeats: int) -> dict[str, list[dict[str, Any]]]:
+    """One warm-up each (not counted), then ``repeats`` turns of every configuration."""
     for run in runs.values():
-        run(-1)  # warm-up (and CUDA-graph capture), not counted
-    samples: dict[str, list[dict[str, float]]] = {name: [] for name in runs}
+        run()
+    samples: dict[str, list[dict[str, Any]]] = {name: [] for name in runs}
     for i in range(repeats):
         for name, run in runs.items():
-            r = run(i)
-            r["decode_steps"] = decode_steps
-            samples[name].append(r)
-    return {name: median_rates(rs) for name, rs in samples.items()}
+            samples[name].append(run())
+            shown = {k: v for k, v in samples[name][-1].items() if k != "timeline"}
+            print(f"  {name} ({i + 1}/{repeats}): {shown}", flush=True)
+    return samples
 
 
-def plot(results: list[dict[str, Any]], title: str, path: Path) -> None:
-    import matplotlib
+def medians(runs: list[dict[str, Any]]) -> dict[str, float]:
+    """The median of every number of the runs, by dotted key (timelines left out)."""
+    flat = [
+        {
+            f"{k}.{q}" if isinstance(v, dict) else k: x
+            for k, v in r.items()
+            if k != "timeline"
+            for q, x in (v.items() if isinstance(v, dict) else [("", v)])
+        }
+        for r in runs
+    ]
+    return {k: median([f[k] for f in flat]) for k in flat[0]}
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    batches = [r["batch_size"] for r in results]
-    xs = range(len(batches))
-    for ax, key, name in zip(axes, ("prefill_tok_s", "decode_tok_s"), ("prefill", "decode"), strict=True):
-        ours = [r["engine"][key] for r in results]
-        ax.bar([x - 0.2 for x in xs], ours, width=0.4, label="moriio-ray engine")
-        if all(r.get("hf") for r in results):
-            base = [r["hf"][key] for r in results]
-            ax.bar([x + 0.2 for x in xs], base, width=0.4, label="transformers")
-            for x, a, b in zip(xs, ours, base, strict=True):
-                ax.annotate(f"{a / b:.2f}x", (x - 0.2, a), ha="center", va="bottom", fontsize=8)
-        ax.set_xticks(list(xs), [str(b) for b in batches])
-        ax.set_xlabel("batch size")
-        ax.set_ylabel("tokens/s")
-        ax.set_yscale("log")
-        ax.set_title(f"{name} throughput")
-        ax.legend()
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+def build(a: argparse.Namespace, max_model_len: int, num_blocks: int, **engine: Any) -> Engine:
+    kw = {"overlap_scheduling": True} if a.overlap and "overlap_scheduling" not in engine else {}
+    config = EngineConfig(
+        device=a.device, block_size=a.block_size, num_blocks=num_blocks, layout=a.layout, **{**kw, **engine}
+    )
+    model = ModelConfig(preset=a.preset, dtype=a.dtype, max_model_len=max_model_len)
+    built = Engine(model, config, role="colocated", cuda_graphs=not a.no_cuda_graphs)
+    built.capture_graphs()
+    return built
+
+
+def throughput(a: argparse.Namespace) -> tuple[dict[str, Any], Callable[[Any, Path], None]]:
+    batches, max_len = a.batch_sizes, a.prompt_len + a.decode_steps + 8
+    size = {"max_num_seqs": max(batches), "max_num_batched_tokens": max(batches) * a.prompt_len}
+    num_blocks = max(batches) * blocks(a.prompt_len + a.decode_steps + 1, a.block_size) + 16
+    t0 = time.perf_counter()
+    engine = build(a, max_len, num_blocks, kernels=a.kernels, **size)
+    built_s, results = time.perf_counter() - t0, []
+    baseline = (
+        build(a, max_len, num_blocks, kernels=a.baseline_kernels, **size) if a.baseline_kernels else None
+    )
+    hf = None if a.no_hf else hf_model(engine)
+    for batch in batches:
+        runs: dict[str, Callable[[], dict[str, Any]]] = {}
+        seeds = itertools.count()
+        runs["engine"] = functools.partial(lambda b, s: engine_run(engine, b, a, next(s)), batch, seeds)
+        if a.shaping:
+            runs["engine-shaped"] = functools.partial(
+                lambda b, s: engine_run(engine, b, a, next(s), shaped=True), batch, seeds
+            )
+        if baseline is not None:
+            runs[f"engine-{a.baseline_kernels}"] = functools.partial(
+                lambda b, s: engine_run(baseline, b, a, next(s)), batch, seeds
+            )
+        if hf is not None:
+            runs["hf"] = functools.partial(
+                lambda b, s: hf_run(hf, engine.device, b, a, next(s)), batch, seeds
+            )
+        print(f"batch {batch}: {', '.join(runs)}, {a.repeats} turns each", flush=True)
+        row: dict[str, Any] = {
+            "batch_size": batch,
+            **{k: medians(v) for k, v in turns(runs, a.repeats).items()},
+        }
+        if a.shaping:
+            row["shaping_decode_cost"] = (
+                1 - row["engine-shaped"]["decode_tok_s"] / row["engine"]["decode_tok_s"]
+            )
+        if hf is not None:
+            row["ratio"] = {k: row["engine"][k] / row["hf"][k] for k in ("prefill_tok_s", "decode_tok_s")}
+        results.append(row)
+
+    def plot(fig_axes: Any, path: Path) -> None:
+        axes = fig_axes[1]
+        names = [k for k in results[0] if isinstance(results[0][k], dict) and k != "ratio"]
+        for ax, key in zip(axes, ("prefill_tok_s", "decode_tok_s"), strict=True):
+            for k, name in enumerate(names):
+                xs = [i + 0.8 / len(names) * k for i in range(len(batches))]
+                ax.bar(xs, [r[name][key] for r in results], width=0.8 / len(names), label=name)
+            ax.set(xticks=range(len(batches)), xticklabels=batches, ylabel=key, yscale="log")
+            ax.legend()
+
+    return {"engine_build_s": built_s, "results": results}, plot
+
+
+def scenario(a: argparse.Namespace) -> tuple[dict[str, Any], Callable[[Any, Path], None]]:
+    long = a.scenario == "long-prompt"
+    if long:  # a running request may decode one token per step of the whole prefill (1-token chunks)
+        max_len = a.long_prompt_len + 256
+        num_seqs = a.running + 1
+        per_seq = blocks(a.running_prompt_len + a.long_prompt_len + 128, a.block_size)
+        num_blocks = blocks(a.long_prompt_len + 64, a.block_size) + a.running * per_seq + 16
+    else:
+        max_len, num_seqs = a.prompt_range[1] + a.output_range[1] + 8, a.concurrency
+        num_blocks = a.concurrency * blocks(max_len, a.block_size) + 16
+    configs: list[tuple[str, dict[str, Any]]] = [("unchunked", {"chunked_prefill": False})]
+    configs += [(f"chunked {b}", {"max_num_batched_tokens": b}) for b in a.budgets]
+    if a.overlap:
+        configs = [(n, {**kw, "overlap_scheduling": False}) for n, kw in configs] + [
+            (f"{n} + overlap", {**kw, "overlap_scheduling": True}) for n, kw in configs
+        ]
+    runs: dict[str, Callable[[], dict[str, Any]]] = {}
+    for name, kw in configs:
+        kw = {"max_num_seqs": num_seqs, "max_num_batched_tokens": max(a.unchunked_budget, num_seqs), **kw}
+        make = functools.partial(build, a, max_len, num_blocks, **kw)
+        runs[name] = functools.partial(long_prompt if long else closed_loop, make, a)
+    samples = turns(runs, a.repeats)
+    results: dict[str, dict[str, Any]] = {
+        name: {"overrides": dict(configs)[name], "median": medians(rs), "runs": rs}
+        for name, rs in samples.items()
+    }
+    for name, r in results.items():
+        print(f"{name}: median {r['median']}", flush=True)
+        for run in r["runs"][:-1]:  # the plot draws the last run's timeline
+            run.pop("timeline", None)
+
+    def plot(fig_axes: Any, path: Path) -> None:
+        (_, (left, right)), names = fig_axes, list(results)
+        key = "p99_during_over_p50_before" if long else "generated_tok_s"
+        right.bar(range(len(names)), [results[n]["median"][key] for n in names])
+        right.set_xticks(range(len(names)), names, rotation=20, fontsize=8)
+        right.set_ylabel(key)
+        for name in names if long else []:
+            ts = results[name]["runs"][-1]["timeline"]
+            left.plot(ts[1:], [1e3 * (b - a) for a, b in itertools.pairwise(ts)], ".-", label=name)
+        left.set(
+            xlabel="s since the long prompt arrived", ylabel="a running request's gap (ms)", yscale="log"
+        )
+        if long:
+            left.legend(fontsize=8)
+
+    return {"results": results}, plot
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add = p.add_argument
+    add("--scenario", default="throughput", choices=["throughput", "long-prompt", "closed-loop"])
+    add("--preset", default="tiny")
+    add("--device", default="cpu", choices=["cpu", "cuda"])
+    add("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    add("--prompt-len", type=int, default=128)
+    add("--decode-steps", type=int, default=64)
+    add("--batch-sizes", type=csv(int), default=[1, 32, 128])
+    add("--block-size", type=int, default=16)
+    add("--layout", default="layer_major", choices=["layer_major", "block_major"])
+    add("--repeats", type=int, default=3)
+    add("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    add("--no-cuda-graphs", action="store_true", help="run decode steps eagerly on CUDA")
+    add("--no-hf", action="store_true", help="skip the transformers baseline")
+    add("--kernels", default="auto", choices=["auto", "torch", "triton"], help="engine.kernels")
+    add("--baseline-kernels", default="", choices=["", "torch", "triton"], help="also an engine on these")
+    add(
+        "--shaping",
+        action="store_true",
+        help="also the engine with penalties and logit_bias on every request",
     )
-    parser.add_argument(
-        "--scenario", default="throughput", choices=["throughput", "long-prompt", "closed-loop"]
-    )
-    parser.add_argument("--running", type=int, default=16, help="long-prompt: requests decoding")
-    parser.add_argument("--running-prompt-len", type=int, default=128)
-    parser.add_argument("--long-prompt-len", type=int, default=4096)
-    parser.add_argument("--budgets", default="256,512", help="chunked configurations' token budgets")
-    parser.add_argument("--unchunked-budget", type=int, default=4096)
-    parser.add_argument(
+    add(
         "--overlap",
         action="store_true",
         help="overlapped scheduling (scenarios: each configuration both ways)",
     )
-    parser.add_argument("--concurrency", type=int, default=16, help="closed-loop: requests in flight")
-    parser.add_argument("--num-requests", type=int, default=96)
-    parser.add_argument("--prompt-range", type=int, nargs=2, default=[32, 512])
-    parser.add_argument("--output-range", type=int, nargs=2, default=[16, 128])
-    parser.add_argument("--tag", default="", help="suffix of the result files")
-    parser.add_argument("--preset", default="tiny")
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--decode-steps", type=int, default=64)
-    parser.add_argument("--batch-sizes", default="1,32,128")
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--layout", default="layer_major", choices=["layer_major", "block_major"])
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
-    parser.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
-    parser.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly on CUDA")
-    parser.add_argument(
-        "--kernels", default="auto", choices=["auto", "torch", "triton"], help="engine.kernels"
-    )
-    parser.add_argument(
-        "--baseline-kernels",
-        default="",
-        choices=["", "torch", "triton"],
-        help="also run an engine with these kernels, side by side (series engine-<kernels>)",
-    )
-    parser.add_argument(
-        "--shaping",
-        action="store_true",
-        help="also run the engine with penalties and logit_bias on every request (series engine-shaped)",
-    )
-    parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
-    a = parser.parse_args()
+    add("--running", type=int, default=16, help="long-prompt: requests decoding")
+    add("--running-prompt-len", type=int, default=128)
+    add("--long-prompt-len", type=int, default=4096)
+    add("--budgets", type=csv(int), default=[256, 512], help="the chunked configurations' token budgets")
+    add("--unchunked-budget", type=int, default=4096)
+    add("--concurrency", type=int, default=16, help="closed-loop: requests in flight")
+    add("--num-requests", type=int, default=96)
+    add("--prompt-range", type=int, nargs=2, default=[32, 512])
+    add("--output-range", type=int, nargs=2, default=[16, 128])
+    add("--tag", default="", help="suffix of the result files")
+    add("--out", type=Path, default=RESULTS)
+    a = p.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)  # on a shared host, spinning OpenMP threads distort timings
-    if a.scenario != "throughput":
-        scenarios.main(a)
-        return
-    batches = [int(b) for b in a.batch_sizes.split(",")]
-    max_batch = max(batches)
-    # blocks for the largest batch (with the warm-up's requests gone by then), plus slack
-    num_blocks = max_batch * blocks_for(a.prompt_len + a.decode_steps + 1, a.block_size) + 16
-    print(
-        f"building engine: preset={a.preset} device={a.device} dtype={a.dtype} blocks={num_blocks}",
-        flush=True,
+    record = run_record(f"engine_bench --scenario {a.scenario}", vars(a))
+    record["host"]["cpu_threads"] = torch.get_num_threads()
+    fields, plot = (throughput if a.scenario == "throughput" else scenario)(a)
+    scenario_name = "" if a.scenario == "throughput" else f"_{a.scenario}"
+    eager = "_eager" if a.no_cuda_graphs and a.scenario == "throughput" else ""
+    stem = a.out / f"engine{scenario_name}_{a.preset}_{a.device}_{a.dtype}{eager}{a.tag}"
+    write_json(stem.with_suffix(".json"), {**record, **fields})
+    fig_axes = pyplot().subplots(1, 2, figsize=(12, 4.4))
+    plot(fig_axes, stem.with_suffix(".png"))
+    save(
+        fig_axes[0],
+        stem.with_suffix(".png"),
+        f"{a.preset} {a.dtype} on {a.device}: {a.scenario}, median of {a.repeats}",
     )
-
-    def build(kernels: str) -> Engine:
-        return Engine(
-            ModelConfig(preset=a.preset, dtype=a.dtype, max_model_len=a.prompt_len + a.decode_steps + 8),
-            EngineConfig(
-                device=a.device,
-                block_size=a.block_size,
-                num_blocks=num_blocks,
-                layout=a.layout,
-                max_num_seqs=max_batch,
-                max_num_batched_tokens=max_batch * a.prompt_len,
-                kernels=kernels,
-                **({"overlap_scheduling": True} if a.overlap else {}),  # else the engine's default
-            ),
-            role="colocated",
-            cuda_graphs=not a.no_cuda_graphs,
-        )
-
-    build_s, engine = timed(torch.device("cpu"), lambda: build(a.kernels))
-    print(f"  built in {build_s:.1f} s", flush=True)
-    baseline = build(a.baseline_kernels) if a.baseline_kernels else None
-    hf = None if a.no_hf else hf_model(engine.args, engine.dtype, engine.device)
-    load_before = os.getloadavg()  # other processes on the host distort CPU timings: keep a record
-    results = []
-    for batch in batches:
-        systems: dict[str, Callable[[int], dict[str, float]]] = {
-            "engine": functools.partial(engine_run, engine, batch, a.prompt_len, a.decode_steps)
-        }
-        if a.shaping:
-            systems["engine-shaped"] = functools.partial(
-                engine_run, engine, batch, a.prompt_len, a.decode_steps, shaped=True
-            )
-        if baseline is not None:
-            systems[f"engine-{a.baseline_kernels}"] = functools.partial(
-                engine_run, baseline, batch, a.prompt_len, a.decode_steps
-            )
-        if hf is not None:
-            systems["hf"] = functools.partial(hf_run, hf, batch, a.prompt_len, a.decode_steps, engine.device)
-        print(f"batch {batch}: {' and '.join(systems)}, {a.repeats} turns each ...", flush=True)
-        row: dict[str, Any] = {"batch_size": batch, **measure(systems, a.repeats, a.decode_steps)}
-        for name in systems:
-            print(
-                f"  {name}: prefill {row[name]['prefill_tok_s']:,.0f} tok/s, "
-                f"decode {row[name]['decode_tok_s']:,.0f} tok/s",
-                flush=True,
-            )
-        if a.shaping:
-            cost = 1 - row["engine-shaped"]["decode_tok_s"] / row["engine"]["decode_tok_s"]
-            row["shaping_decode_cost"] = cost
-            print(f"  shaping (penalties + logit_bias on every request): decode cost {cost:.1%}")
-        if hf is not None:
-            row["ratio"] = {k: row["engine"][k] / row["hf"][k] for k in ("prefill_tok_s", "decode_tok_s")}
-            ratio = row["ratio"]
-            print(f"  engine/hf: prefill {ratio['prefill_tok_s']:.2f}x, decode {ratio['decode_tok_s']:.2f}x")
-        results.append(row)
-        assert engine.stats()["num_used_blocks"] == 0
-    env = scenarios.environment(engine, load_before)
-    name = f"engine_{a.preset}_{a.device}_{a.dtype}{'_eager' if a.no_cuda_graphs else ''}"
-    stem = scenarios.write_report(a, name, env, engine_build_s=build_s, results=results)
-    title = (
-        f"{a.preset} {a.dtype} on {env['device'] or a.device}: prompt {a.prompt_len}, "
-        f"{a.decode_steps} decode steps, median of {a.repeats}"
-    )
-    plot(results, title, stem.with_suffix(".png"))
-    print(f"wrote {stem}.json and {stem}.png", flush=True)
+    print(f"wrote {stem}.json and .png", flush=True)
 
 
 if __name__ == "__main__":

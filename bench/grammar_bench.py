@@ -21,8 +21,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, for moriio_ray
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, for bench and moriio_ray
 
+from bench.common import RESULTS, percentile, run_record, write_json
 from moriio_ray.config import ModelConfig
 from moriio_ray.engine.grammar import BACKENDS, available, bitmask, make_backend
 from moriio_ray.engine.tokenizer import load_tokenizer
@@ -57,11 +58,6 @@ def documents(count: int, seed: int) -> list[str]:
     return docs
 
 
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 def run(name: str, tok: Any, vocab: int, docs: list[str]) -> dict[str, Any]:
     start = time.perf_counter()
     backend = make_backend(name, tok, vocab)
@@ -86,16 +82,10 @@ def run(name: str, tok: Any, vocab: int, docs: list[str]) -> dict[str, Any]:
             if i > 0:  # the first document warms up
                 fill_us.append((t1 - t0) * 1e6)
                 accept_us.append((t2 - t1) * 1e6)
-    return {
-        "backend": name,
-        "setup_s": setup_s,
-        "compile_s": compile_s,
-        "tokens": len(fill_us),
-        "mask_us_median": statistics.median(fill_us),
-        "mask_us_p90": pct(fill_us, 0.9),
-        "accept_us_median": statistics.median(accept_us),
-        "per_token_us_mean": statistics.fmean(f + a for f, a in zip(fill_us, accept_us, strict=True)),
-    }
+    out = {"backend": name, "setup_s": setup_s, "compile_s": compile_s, "tokens": len(fill_us)}
+    out |= {"mask_us_median": percentile(fill_us, 0.5), "mask_us_p90": percentile(fill_us, 0.9)}
+    per_token = statistics.fmean(f + a for f, a in zip(fill_us, accept_us, strict=True))
+    return out | {"accept_us_median": percentile(accept_us, 0.5), "per_token_us_mean": per_token}
 
 
 def main() -> None:
@@ -106,7 +96,7 @@ def main() -> None:
     parser.add_argument("--preset", default="tiny")
     parser.add_argument("--docs", type=int, default=21)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    parser.add_argument("--out", type=Path, default=RESULTS)
     a = parser.parse_args()
     config = ModelConfig(path=a.model) if a.model else ModelConfig(preset=a.preset)
     tok = load_tokenizer(config)
@@ -117,20 +107,11 @@ def main() -> None:
         if not available(name):
             print(f"{name}: not installed, skipped", flush=True)
             continue
-        r = run(name, tok, vocab, docs)
-        results.append(r)
-        print(
-            f"{name}: mask {r['mask_us_median']:.1f} us median, {r['mask_us_p90']:.1f} us p90; accept "
-            f"{r['accept_us_median']:.1f} us; mean per token {r['per_token_us_mean']:.1f} us over "
-            f"{r['tokens']} tokens; tokenizer setup {r['setup_s']:.2f} s, "
-            f"schema compile {r['compile_s'] * 1e3:.1f} ms",
-            flush=True,
-        )
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"grammar_{a.model or a.preset}"
-    stem.with_suffix(".json").write_text(json.dumps({"vocab_size": vocab, "results": results}, indent=2))
-    print(f"wrote {stem}.json", flush=True)
+        results.append(run(name, tok, vocab, docs))
+        print(f"{name}: {results[-1]}", flush=True)
+    path = a.out / f"grammar_{Path(a.model).name or a.preset}.json"
+    write_json(path, {**run_record("grammar_bench", vars(a)), "vocab_size": vocab, "results": results})
+    print(f"wrote {path}", flush=True)
 
 
 if __name__ == "__main__":

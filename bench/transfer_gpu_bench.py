@@ -1,23 +1,19 @@
 """cuda_ipc on the GPU, side by side with the copy-engine ceiling, a naive copy, NIXL and Mooncake.
 
-Two worker processes (``transfer_gpu_worker.py``): P holds a Llama-3.1-8B-like layer-major cache
-(4 GiB, 32 KiB segments) on ``cuda:0``, D the same on ``cuda:0`` (``--gpus 1``) or ``cuda:1``
-(``--gpus 2``); CUDA IPC between them. Cases: prompts of 128, 1k, 4k and 16k tokens from random
-blocks on both sides, and one 2 GiB contiguous segment (``transfer_gpu_cases.py``). D issues the
-reads, P the writes; D checks every variant's bytes against P's pattern.
+Two worker processes (``transfer_gpu_worker.py``): P and D each hold a Llama-3.1-8B-like layer-major
+cache (4 GiB, 32 KiB segments), on ``cuda:0`` both (``--gpus 1``) or D on ``cuda:1`` (``--gpus 2``);
+CUDA IPC between them. D issues the reads, P the writes; D checks every variant's bytes.
 
-Phases (``--phases``, each failure is recorded and the rest go on):
-- ``sweep``: kernel launch shapes on D's reads, device time; the best one runs everywhere after.
-- ``table``: every method on every case, read and write: the ceiling (one ``cudaMemcpyAsync`` of
-  the same bytes between the IPC-mapped buffers), naive (one ``cudaMemcpyAsync`` per segment),
-  the kernel, the copy engines (``cuMemcpyBatchAsync``, with and without the overlap hint), auto.
-- ``breakdown``: where the host time of one 128-token transfer goes (``transfer_gpu_breakdown.py``).
-- ``load``: decode steps of the engine while transfers run (``transfer_gpu_load.py``).
-- ``--peers nixl,mooncake``: the peers on the same cases (``transfer_gpu_peers.py``).
-
-*device* is GPU time from CUDA events after the copy's waits (host enqueue hidden behind a sleep
-kernel); *host* is wall time from ``read``/``write`` to ``wait`` returning: the peers are timed that
-way too. Writes ``<name>.json`` and ``<name>.png`` (``--name``) under ``--out``, and prints a table.
+Phases (``--phases``; a failure is recorded and the rest go on):
+- ``sweep``: kernel launch shapes on D's reads, device time; the best one runs everywhere after;
+- ``table``: every method on every case, read and write: the ceiling (one ``cudaMemcpyAsync`` of the
+  same bytes), naive (one per segment), the kernel, the copy engines (with and without the overlap
+  hint), auto; ``--peers nixl,mooncake``: the peers on the same cases;
+- ``breakdown``: where the host time of one 128-token transfer goes;
+- ``load``: the decode steps of an engine (another process, same GPU) while transfers run back to
+  back, against the same steps with none before and after.
+*device* is GPU time from CUDA events (host enqueue hidden behind a sleep kernel); *host* is wall
+time from ``read``/``write`` to ``wait`` returning, as the peers are timed. Goals: bench/goals.json.
 
     python bench/transfer_gpu_bench.py --out bench/results [--gpus 2] [--peers nixl] [--quick]
 """
@@ -27,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
-import subprocess
 import sys
 import time
 import traceback
@@ -36,8 +31,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: moriio_ray and bench
 
-from bench.record_paths import repo_path
-from bench.transfer_gpu_cases import LAYOUT_KW, PROMPTS, cases
+from bench import transfer_gpu_worker as worker
+from bench.common import RESULTS, load_goals, median, pyplot, run_record, save, write_json
+from bench.transfer_gpu_worker import LAYOUT_KW, PROMPTS, cases
 
 SWEEP: list[dict[str, Any]] = [
     {},
@@ -56,23 +52,21 @@ SWEEP: list[dict[str, Any]] = [
     {"meta_in_host": True},  # last: a fault here (pinned memory not device-mapped) would end D's context
 ]
 SWEEP_CASES = ("layer_major/128", "layer_major/1024", "layer_major/16384", "contiguous/2GiB")
+OURS = ("auto", "kernel", "copy_engine")  # the rows compared with the peers and the goals
 CALL_TIMEOUT_S = 120.0  # one worker command; a stuck copy must not eat the whole run
+LOAD_STEPS = 40
 _deadline = [float("inf")]  # monotonic time after which no new variant starts (--deadline-s)
 
 
 class Proc:
     """A spawned worker and its pipe: ``call`` sends a command and returns its answer."""
 
-    def __init__(
-        self, ctx: Any, target: Any, args: tuple[Any, ...], log: Path | None, start_s: float
-    ) -> None:
+    def __init__(self, ctx: Any, target: Any, args: tuple[Any, ...], log: Path | None) -> None:
         self.conn, child = ctx.Pipe()
         self.broken = ""
-        from bench.transfer_gpu_worker import run_logged
-
-        self.proc = ctx.Process(target=run_logged, args=(target, log, child, *args), daemon=True)
+        self.proc = ctx.Process(target=worker.run_logged, args=(target, log, child, *args), daemon=True)
         self.proc.start()
-        self.hello = self.answer(start_s)
+        self.hello = self.answer(300.0)
 
     def send(self, cmd: str, *args: Any) -> None:
         self.conn.send((cmd, args))
@@ -84,10 +78,10 @@ class Proc:
         while not self.conn.poll(0.5):
             if not self.proc.is_alive():
                 self.broken = f"exited with code {self.proc.exitcode}"
-                raise RuntimeError(f"worker {self.broken}")
-            if time.monotonic() > deadline:  # its late answer would pair with the next command
+            elif time.monotonic() > deadline:  # its late answer would pair with the next command
                 self.broken = f"no answer within {timeout_s} s"
-                raise TimeoutError(self.broken)
+            if self.broken:
+                raise RuntimeError(self.broken)
         status, value = self.conn.recv()
         if status != "ok":
             raise RuntimeError(value)
@@ -108,250 +102,112 @@ class Proc:
             self.proc.kill()
 
 
-def attempt(result: dict[str, Any], key: str, fn: Any) -> Any:
-    """Run one phase or variant; a failure is recorded under ``result["errors"][key]``."""
-    if time.monotonic() > _deadline[0]:
-        result["errors"][key] = "skipped: past --deadline-s"
-        return None
-    try:
-        return fn()
-    except Exception as exc:
-        result["errors"][key] = f"{exc!r}"[:2000]
-        print(f"FAILED {key}: {exc!r}"[:600], flush=True)
-        traceback.print_exc(limit=3)
-        return None
+class Run:
+    """The two workers, the result being filled in, and the one way of measuring a variant."""
 
+    def __init__(self, P: Proc, D: Proc, result: dict[str, Any], iters: int) -> None:
+        self.P, self.D, self.result, self.iters = P, D, result, iters
 
-def measure_checked(
-    P: Proc, D: Proc, backend: str, op: str, case: str, variant: dict[str, Any], iters: int
-) -> Any:
-    """Poison D, time the variant on the issuing worker, then D checks the bytes it received."""
-    D.call("poison")
-    issuer = D if op == "read" else P
-    row = issuer.call("measure", backend, op, case, variant, iters)
-    row["verified"] = D.call("verify", case)
-    if not row["verified"]:
-        raise RuntimeError(f"{backend} {op} {case} {variant}: wrong bytes on D")
-    return row
+    def attempt(self, key: str, fn: Any) -> Any:
+        """Run one phase or variant; a failure is recorded under ``result["errors"][key]``."""
+        if time.monotonic() > _deadline[0]:
+            self.result["errors"][key] = "skipped: past --deadline-s"
+            return None
+        try:
+            return fn()
+        except Exception as exc:
+            self.result["errors"][key] = f"{exc!r}"[:2000]
+            print(f"FAILED {key}: {exc!r}"[:600], flush=True)
+            traceback.print_exc(limit=3)
+            return None
 
+    def measure(self, key: str, backend: str, op: str, name: str, v: dict[str, Any], **row: Any) -> Any:
+        """Poison D, time the variant on the issuing worker, then D checks the bytes it received."""
 
-def run_sweep(P: Proc, D: Proc, iters: int, result: dict[str, Any]) -> dict[str, Any]:
-    rows = []
-    for kv in SWEEP:
-        variant = {"method": "kernel", "kernel": kv}
-        for case in SWEEP_CASES:
-            row = attempt(
-                result,
-                f"sweep/{kv}/{case}",
-                lambda v=variant, c=case: measure_checked(P, D, "cuda_ipc", "read", c, v, iters),
+        def run() -> dict[str, Any]:
+            self.D.call("poison")
+            got = (self.D if op == "read" else self.P).call("measure", backend, op, name, v, self.iters)
+            if not (verified := self.D.call("verify", name)):
+                raise RuntimeError(f"{backend} {op} {name} {v}: wrong bytes on D")
+            return {**got, "verified": verified}
+
+        if (got := self.attempt(key, run)) is None:
+            return None
+        c = cases()[name.removesuffix("/contiguous")]
+        print(f"{key}: host {got['host_us']} us, device {got['device_us']} us ({got['method']})", flush=True)
+        return row | {"case": c.name, "op": op, "bytes": c.num_bytes, "segments": c.num_segments, **got}
+
+    def sweep(self) -> dict[str, Any]:
+        """Each kernel launch shape on D's reads; the best has the highest mean share of each case's best."""
+        rows = []
+        for kv in SWEEP:
+            for name in SWEEP_CASES:
+                v = {"method": "kernel", "kernel": kv}
+                if row := self.measure(f"sweep/{kv}/{name}", "cuda_ipc", "read", name, v, kernel=kv):
+                    rows.append({**row, "gbps": row["bytes"] / row["device_us"] / 1e3})
+        top = {c: max((r["gbps"] for r in rows if r["case"] == c), default=0.0) for c in SWEEP_CASES}
+        scores: dict[str, list[float]] = {}
+        for r in rows:
+            scores.setdefault(json.dumps(r["kernel"], sort_keys=True), []).append(r["gbps"] / top[r["case"]])
+        complete = {k: sum(v) / len(v) for k, v in scores.items() if len(v) == len(SWEEP_CASES)}
+        best = json.loads(max(complete, key=complete.__getitem__)) if complete else {}
+        print(f"kernel variant chosen by the sweep (--variant '{json.dumps(best)}'): {complete}", flush=True)
+        return {"rows": rows, "scores": complete, "best": best}
+
+    def table(self, best: dict[str, Any], methods: set[str]) -> list[dict[str, Any]]:
+        rows = []
+        for name in cases():
+            for op in ("read", "write"):
+                for label, v in table_variants(best).items():
+                    k = f"{name}/contiguous" if v.get("ceiling") else name
+                    if not methods or label in methods:
+                        rows.append(
+                            self.measure(f"table/{name}/{op}/{label}", "cuda_ipc", op, k, v, variant=label)
+                        )
+        return [r for r in rows if r]
+
+    def peers(self, names: list[str]) -> list[dict[str, Any]]:
+        rows, P, D = [], self.P, self.D
+        for peer in names:
+            descs = self.attempt(
+                f"peers/{peer}/setup", lambda p=peer: (P.call("add_backend", p), D.call("add_backend", p))
             )
-            if row is not None:
-                nbytes = cases()[case].num_bytes
-                rows.append({"kernel": kv, "case": case, **row, "gbps": nbytes / row["device_us"] / 1e3})
-    best_per_case = {c: max((r["gbps"] for r in rows if r["case"] == c), default=0.0) for c in SWEEP_CASES}
-    scores: dict[str, list[float]] = {}
-    for r in rows:
-        scores.setdefault(json.dumps(r["kernel"], sort_keys=True), []).append(
-            r["gbps"] / best_per_case[r["case"]]
-        )
-    complete = {k: sum(v) / len(v) for k, v in scores.items() if len(v) == len(SWEEP_CASES)}
-    best = json.loads(max(complete, key=complete.__getitem__)) if complete else {}
-    score = complete.get(json.dumps(best, sort_keys=True))
-    print(f"kernel variant chosen by the sweep (--variant '{json.dumps(best)}'), score {score}", flush=True)
-    return {"rows": rows, "scores": complete, "best": best}
+            connect = lambda p=peer, d=descs: (
+                P.call("connect_backend", p, d[1]),
+                D.call("connect_backend", p, d[0]),
+            )
+            if descs is None or self.attempt(f"peers/{peer}/connect", connect) is None:
+                continue
+            for name in cases():
+                for op in ("read", "write"):
+                    for mode in ("create", "repost") if peer == "nixl" else ("arrays",):
+                        key = f"peers/{peer}/{name}/{op}/{mode}"
+                        rows.append(self.measure(key, peer, op, name, {"mode": mode}, peer=peer, mode=mode))
+            info = {
+                r: self.attempt(f"peers/{peer}/info/{r}", lambda x=x, p=peer: x.call("backend_info", p))
+                for r, x in (("D", D), ("P", P))
+            }
+            self.result.setdefault("peer_info", {})[peer] = info
+        return [r for r in rows if r]
 
 
 def table_variants(best: dict[str, Any]) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {
         "ceiling": {"method": "memcpy", "ceiling": True},
         "naive": {"method": "memcpy"},
-        "kernel": {"method": "kernel", "kernel": best},
-        "copy_engine": {"method": "copy_engine"},
-        "copy_engine_overlap": {"method": "copy_engine", "prefer_overlap": True},
-        "auto": {"method": "auto", "kernel": best},
     }
-    if best:
-        out["kernel_default"] = {"method": "kernel", "kernel": {}}
-    return out
+    out |= {"kernel": {"method": "kernel", "kernel": best}, "copy_engine": {"method": "copy_engine"}}
+    out |= {"copy_engine_overlap": {"method": "copy_engine", "prefer_overlap": True}}
+    out |= {"auto": {"method": "auto", "kernel": best}}
+    return out | ({"kernel_default": {"method": "kernel", "kernel": {}}} if best else {})
 
 
-def run_table(
-    P: Proc, D: Proc, best: dict[str, Any], iters: int, result: dict[str, Any], methods: set[str]
-) -> list[dict[str, Any]]:
-    rows = []
-    variants = {k: v for k, v in table_variants(best).items() if not methods or k in methods}
-    for name, c in cases().items():
-        for op in ("read", "write"):
-            for label, variant in variants.items():
-                case = f"{name}/contiguous" if variant.get("ceiling") else name
-                row = attempt(
-                    result,
-                    f"table/{name}/{op}/{label}",
-                    lambda v=variant, k=case, o=op: measure_checked(P, D, "cuda_ipc", o, k, v, iters),
-                )
-                if row is not None:
-                    rows.append(
-                        {
-                            "case": name,
-                            "op": op,
-                            "variant": label,
-                            "bytes": c.num_bytes,
-                            "segments": c.num_segments,
-                            **row,
-                        }
-                    )
-                    times = f"host {row['host_us']:>10} us  device {row['device_us']} us"
-                    print(f"{name:>18} {op:5} {label:>20}: {times}  ({row['method']})", flush=True)
-    return rows
-
-
-def run_peers(P: Proc, D: Proc, peers: list[str], iters: int, result: dict[str, Any]) -> list[dict[str, Any]]:
-    rows = []
-    for peer in peers:
-        descs = attempt(
-            result, f"peers/{peer}/setup", lambda p=peer: (P.call("add_backend", p), D.call("add_backend", p))
-        )
-        if descs is None:
-            continue
-        if (
-            attempt(
-                result,
-                f"peers/{peer}/connect",
-                lambda p=peer, d=descs: (
-                    P.call("connect_backend", p, d[1]),
-                    D.call("connect_backend", p, d[0]),
-                ),
-            )
-            is None
-        ):
-            continue
-        modes = ("create", "repost") if peer == "nixl" else ("arrays",)
-        for name, c in cases().items():
-            for op in ("read", "write"):
-                for mode in modes:
-                    row = attempt(
-                        result,
-                        f"peers/{peer}/{name}/{op}/{mode}",
-                        lambda p=peer, n=name, o=op, m=mode: measure_checked(
-                            P, D, p, o, n, {"mode": m}, iters
-                        ),
-                    )
-                    if row is not None:
-                        rows.append(
-                            {
-                                "peer": peer,
-                                "mode": mode,
-                                "case": name,
-                                "op": op,
-                                "bytes": c.num_bytes,
-                                "segments": c.num_segments,
-                                **row,
-                            }
-                        )
-                        print(f"{peer:>9} {mode:7} {name:>18} {op:5}: host {row['host_us']} us", flush=True)
-        for role, proc in (("D", D), ("P", P)):
-            info = attempt(
-                result, f"peers/{peer}/info/{role}", lambda pr=proc, p=peer: pr.call("backend_info", p)
-            )
-            result.setdefault("peer_info", {}).setdefault(peer, {})[role] = info
-    return rows
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
-    ap.add_argument(
-        "--gpus", type=int, choices=(1, 2), default=1, help="1: P and D on cuda:0; 2: D on cuda:1"
-    )
-    ap.add_argument("--phases", default="sweep,table,breakdown,load")
-    ap.add_argument("--peers", default="", help="comma list: nixl, mooncake")
-    ap.add_argument(
-        "--variant", default="", help="JSON kernel variant to use instead of a sweep, e.g. '{\"unroll\": 8}'"
-    )
-    ap.add_argument(
-        "--methods", default="", help="table rows to run (default all): " + ",".join(table_variants({"x": 1}))
-    )
-    ap.add_argument("--quick", action="store_true", help="fewer iterations")
-    ap.add_argument("--deadline-s", type=float, default=480.0, help="start no new variant after this")
-    ap.add_argument("--commit", default="", help="the commit measured (default: git rev-parse)")
-    ap.add_argument("--name", default="transfer_gpu", help="stem of the JSON and PNG written under --out")
-    args = ap.parse_args()
-    _deadline[0] = time.monotonic() + args.deadline_s
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    phases = set(filter(None, args.phases.split(",")))
-    peers = [p for p in args.peers.split(",") if p]
-    iters = 8 if args.quick else 20
-    result: dict[str, Any] = {
-        "args": {**vars(args), "out": repo_path(out)},
-        "layout": LAYOUT_KW,
-        "prompts": PROMPTS,
-        "errors": {},
-        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-    }
-    result["commit"] = args.commit or _git_commit()
-    from bench.transfer_gpu_peers import set_env
-
-    result["peer_env"] = set_env(peers)
-    ctx = mp.get_context("spawn")
-    stop = ctx.Event()
-    from bench import transfer_gpu_worker as worker
-
-    p_dev, d_dev = 0, (1 if args.gpus == 2 else 0)
-    procs: list[Proc] = []
-    t0 = time.perf_counter()
-    try:
-        P = Proc(ctx, worker.main, ("P", p_dev, stop), out / "worker-P.log", 300)
-        procs.append(P)
-        D = Proc(ctx, worker.main, ("D", d_dev, stop), out / "worker-D.log", 300)
-        procs.append(D)
-        result["gpu"] = D.hello
-        descs = P.call("add_backend", "cuda_ipc"), D.call("add_backend", "cuda_ipc")
-        P.call("connect_backend", "cuda_ipc", descs[1])
-        D.call("connect_backend", "cuda_ipc", descs[0])
-        result["env"] = D.call("environment")
-        best: dict[str, Any] = json.loads(args.variant) if args.variant else {}
-        if "sweep" in phases and not args.variant:
-            sweep = attempt(result, "sweep", lambda: run_sweep(P, D, iters, result))
-            if sweep is not None:
-                result["sweep"] = sweep
-                best = sweep["best"]
-        result["kernel_variant"] = best
-        if "table" in phases:
-            methods = set(filter(None, args.methods.split(",")))
-            result["table"] = attempt(result, "table", lambda: run_table(P, D, best, iters, result, methods))
-        if "breakdown" in phases:
-            variant = {"method": "kernel", "kernel": best}
-            result["breakdown"] = attempt(
-                result, "breakdown", lambda: D.call("breakdown", "layer_major/128", variant)
-            )
-        result["cuda_ipc_info"] = {
-            role: attempt(result, f"info/{role}", lambda pr=pr: pr.call("backend_info", "cuda_ipc"))
-            for role, pr in (("D", D), ("P", P))
-        }
-        if peers:
-            result["peers"] = run_peers(P, D, peers, iters, result)
-        if "load" in phases:
-            result["load"] = attempt(
-                result, "load", lambda: run_load_phase(ctx, D, stop, d_dev, best, out, procs)
-            )
-    finally:
-        for proc in reversed(procs):
-            proc.close()
-        result["wall_s"] = round(time.perf_counter() - t0, 1)
-        for role in ("P", "D"):
-            from bench.transfer_gpu_peers import transports
-
-            result.setdefault("transport_log_lines", {})[role] = transports(out / f"worker-{role}.log")
-        write_outputs(result, out, args.name)
-
-
-def run_load_phase(
+def load(
     ctx: Any, D: Proc, stop: Any, device: int, best: dict[str, Any], out: Path, procs: list[Proc]
 ) -> Any:
-    from bench.transfer_gpu_load import engine_main, run_load
-
-    engine = Proc(ctx, engine_main, (device,), out / "engine.log", 300)
+    """Decode steps while D pulls a 4k-token prompt's KV back to back, per transfer method; the same
+    steps with no transfer before and after each method are the baseline (their mean: drift cancels)."""
+    engine = Proc(ctx, worker.engine_main, (device,), out / "engine.log")
     procs.append(engine)
     variants: dict[str, dict[str, Any]] = {
         "kernel": {"method": "kernel", "kernel": best},
@@ -360,27 +216,246 @@ def run_load_phase(
         "copy_engine": {"method": "copy_engine"},
         "copy_engine_overlap": {"method": "copy_engine", "prefer_overlap": True},
     }
-    return run_load(engine, D, stop, "layer_major/4096", variants)
+    rows, name, idle_before = [], "layer_major/4096", engine.call("steps", LOAD_STEPS)
+    for label, variant in variants.items():
+        row: dict[str, Any] = {"variant": label, **variant}
+        looping = False
+        try:
+            alone = D.call("measure", "cuda_ipc", "read", name, variant, 10)
+            row |= {"transfer_alone_us": alone["host_us"], "method": alone["method"]}
+            stop.clear()
+            D.send("loop", "cuda_ipc", "read", name, variant)
+            looping = D.answer(120) == "started"  # the first transfer ran
+            loaded = engine.call("steps", LOAD_STEPS)
+            stop.set()
+            looping, looped = False, D.answer(120)
+            idle_after = engine.call("steps", LOAD_STEPS)
+            base = (median(idle_before) + median(idle_after)) / 2
+            row |= {
+                "step_ms_idle": round(base * 1e3, 3),
+                "step_ms_loaded": round(median(loaded) * 1e3, 3),
+                "decode_slowdown": round(median(loaded) / base - 1, 4),
+                "transfers_during": looped["transfers"],
+                "transfer_loaded_us": looped["transfer_us"],
+            }
+            if row["transfer_alone_us"] and row["transfer_loaded_us"]:
+                row["transfer_slowdown"] = round(row["transfer_loaded_us"] / row["transfer_alone_us"] - 1, 4)
+            idle_before = idle_after
+        except Exception as exc:
+            stop.set()
+            row["error"] = repr(exc)[:500]
+            if looping:  # the worker still owes the loop's answer: take it, so the pipe stays in step
+                try:
+                    D.answer(120)
+                except Exception as late:
+                    row["error"] += f"; then {late!r}"[:300]
+        rows.append(row)
+        print(f"  load {label:>24}: {row}", flush=True)
+    return {"case": name, "batch": worker.LOAD_BATCH, "steps": LOAD_STEPS, "rows": rows}
 
 
-def _git_commit() -> str:
+# -- the summary, the goals and the plot ------------------------------------------------------------
+
+
+def _ratio(a: float | None, b: float | None, digits: int) -> float | None:
+    return round(a / b, digits) if a and b else None
+
+
+def _gbps(nbytes: int, us: float | None) -> float | None:
+    return round(nbytes / us / 1e3, 1) if us else None
+
+
+def summarize(result: dict[str, Any]) -> None:
+    """``result["summary"]``: per case, op and variant GB/s and ratios to the ceiling and the peers;
+    the goals (bench/goals.json) with their verdicts; the fastest of our methods per case."""
+    goal, by = (
+        load_goals("transfer_gpu"),
+        {(r["case"], r["op"], r["variant"]): r for r in result.get("table") or []},
+    )
+    table, goals, fastest = [], [], dict[str, str]()
+    for (name, op, variant), r in by.items():
+        ceil = by.get((name, op, "ceiling")) or {}
+        row = {
+            k: r.get(k)
+            for k in ("case", "op", "variant", "method", "segments", "host_us", "device_us", "verified")
+        }
+        for k in ("host", "device"):
+            row[f"{k}_GBps"] = _gbps(r["bytes"], r[f"{k}_us"])
+            row[f"{k}_vs_ceiling"] = _ratio(ceil.get(f"{k}_us"), r.get(f"{k}_us"), 3)
+        for p in (p for p in result.get("peers") or [] if (p["case"], p["op"]) == (name, op)):
+            row[f"x_vs_{p['peer']}_{p['mode']}"] = _ratio(p.get("host_us"), r.get("host_us"), 1)
+        table.append(row)
+        if variant not in OURS:
+            continue
+        best = by.get((name, op, fastest.get(f"{name}/{op}", "")))
+        if r["host_us"] is not None and (best is None or r["host_us"] < best["host_us"]):
+            fastest[f"{name}/{op}"] = variant
+        tokens, v = (
+            int(name.split("/")[1]) if name.startswith("layer_major/") else 0,
+            row["device_vs_ceiling"],
+        )
+        checks = [
+            (
+                tokens == 128,
+                f"<= {goal['small_e2e_us']} us end to end",
+                row["host_us"],
+                goal["small_e2e_us"],
+                -1,
+            ),
+            (
+                tokens >= 1024,
+                f">= {goal['layer_major_vs_ceiling']} of the contiguous copy (device)",
+                v,
+                goal["layer_major_vs_ceiling"],
+                1,
+            ),
+            (
+                name == "contiguous/2GiB",
+                f">= {goal['contiguous_vs_ceiling']} of cudaMemcpyAsync (device)",
+                v,
+                goal["contiguous_vs_ceiling"],
+                1,
+            ),
+        ]
+        checks += [
+            (tokens > 0, f">= {goal['vs_peers']}x {k[5:]} (host)", x, goal["vs_peers"], 1)
+            for k, x in row.items()
+            if k.startswith("x_vs_")
+        ]
+        for applies, what, value, bound, sign in checks:
+            if applies and value is not None:
+                met = value >= bound if sign > 0 else value <= bound
+                goals.append(
+                    {"goal": what, "case": name, "op": op, "variant": variant, "value": value, "met": met}
+                )
+    loaded = [r for r in (result.get("load") or {}).get("rows", []) if "decode_slowdown" in r]
+    for r in loaded:
+        met = r["decode_slowdown"] <= goal["decode_slowdown"]
+        what = f"decode slowdown <= {goal['decode_slowdown']} (4k transfer)"
+        goals.append({"goal": what, "variant": r["variant"], "value": r["decode_slowdown"], "met": met})
+    least = min(loaded, key=lambda r: r["decode_slowdown"])["variant"] if loaded else None
+    recommend = {"fastest_idle_by_host_time": fastest, "least_decode_slowdown": least}
+    result["summary"] = {"table": table, "goals": goals, "recommendation": recommend}
+
+
+def print_table(result: dict[str, Any]) -> None:
+    s = result.get("summary") or {}
+    print(f"\n== {result.get('gpu')} | commit {result.get('commit')} | kernel {result.get('kernel_variant')}")
+    for r in s.get("table", []):
+        ratios = {k: v for k, v in r.items() if k.startswith("x_vs_") or k.endswith("_vs_ceiling")}
+        times = f"host {r['host_us']} us, device {r['device_us']} us"
+        print(f"{r['case']:>17} {r['op']:5} {r['variant']:>20}: {times} {ratios}")
+    for p in result.get("peers") or []:
+        print(f"{p['peer']:>9} {p['mode']:7} {p['case']:>18} {p['op']:5} host {p['host_us']} us")
+    for key in ("breakdown", "load"):
+        print(f"{key}:", json.dumps(result.get(key), default=str)[:3000])
+    for g in s.get("goals", []):
+        where = f"{g.get('case', '')} {g.get('op', '')} {g['variant']}"
+        print(f"goal {'MET ' if g['met'] else 'MISS'} {g['goal']}: {where}: {g['value']}")
+    print("recommendation:", s.get("recommendation"))
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    rows = (result.get("summary") or {}).get("table", [])
+    names = list(dict.fromkeys(r["case"] for r in rows))
+    fig, axes = pyplot().subplots(1, 2, figsize=(13, 4.8), sharey=True)
+    for ax, op in zip(axes, ("read", "write"), strict=True):
+        series: dict[str, dict[str, float | None]] = {}
+        for r in (r for r in rows if r["op"] == op):
+            series.setdefault(f"{r['variant']} (host)", {})[r["case"]] = r["host_GBps"]
+            if r["variant"] in ("ceiling", "kernel"):
+                series.setdefault(f"{r['variant']} (device)", {})[r["case"]] = r["device_GBps"]
+        for p in (p for p in result.get("peers") or [] if p["op"] == op):
+            series.setdefault(f"{p['peer']} {p['mode']} (host)", {})[p["case"]] = _gbps(
+                p["bytes"], p["host_us"]
+            )
+        for label, ys in series.items():
+            pts = [(names.index(c), y) for c, y in ys.items() if y and c in names]
+            ax.plot(
+                [i for i, _ in pts],
+                [y for _, y in pts],
+                marker="o",
+                label=label,
+                ls="--" if "ceiling" in label else "-",
+            )
+        ax.set_xticks(range(len(names)), [c.split("/")[1] for c in names])
+        ax.set(yscale="log", xlabel="prompt tokens (layer-major, 32 KiB segments) / contiguous", title=op)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].set_ylabel("GB/s")
+    axes[1].legend(fontsize=7, loc="lower right")
+    save(fig, path, f"KV transfer between two processes, {result.get('gpu')} ({result['args']['gpus']} GPU)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--gpus", type=int, choices=(1, 2), default=1, help="2: D on cuda:1")
+    ap.add_argument("--phases", default="sweep,table,breakdown,load")
+    ap.add_argument("--peers", default="", help="comma list: nixl, mooncake")
+    ap.add_argument("--variant", default="", help="a JSON kernel variant instead of a sweep")
+    ap.add_argument(
+        "--methods", default="", help="table rows (default all): " + ",".join(table_variants({"x": 1}))
+    )
+    ap.add_argument("--quick", action="store_true", help="fewer iterations")
+    ap.add_argument("--deadline-s", type=float, default=480.0, help="start no new variant after this")
+    ap.add_argument("--commit", default="", help="the commit measured (default: git describe)")
+    ap.add_argument("--name", default="transfer_gpu", help="stem of the JSON and PNG written under --out")
+    args = ap.parse_args()
+    _deadline[0] = time.monotonic() + args.deadline_s
+    out, phases = args.out, set(filter(None, args.phases.split(",")))
+    out.mkdir(parents=True, exist_ok=True)
+    names, iters = [p for p in args.peers.split(",") if p], 8 if args.quick else 20
+    result: dict[str, Any] = run_record("transfer_gpu_bench", vars(args), args.commit or None)
+    result |= {"layout": LAYOUT_KW, "prompts": PROMPTS, "errors": {}, "started": time.strftime("%F %T")}
+    from bench.transfer_gpu_peers import set_env, transports
+
+    result["peer_env"] = set_env(names)
+    ctx = mp.get_context("spawn")
+    stop, procs, t0 = ctx.Event(), list[Proc](), time.perf_counter()
+    d_dev = 1 if args.gpus == 2 else 0
     try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10, check=True
-        ).stdout.strip()
-    except Exception:
-        return "unknown"
-
-
-def write_outputs(result: dict[str, Any], out: Path, name: str) -> None:
-    from bench.transfer_gpu_report import plot, print_table, summarize
-
-    attempt(result, "summary", lambda: summarize(result))
-    (out / f"{name}.json").write_text(json.dumps(result, indent=1, default=str))
-    attempt(result, "plot", lambda: plot(result, out / f"{name}.png"))
-    print_table(result)
-    if result["errors"]:
-        print("errors:", json.dumps(result["errors"], indent=1)[:6000])
+        procs.append(P := Proc(ctx, worker.main, ("P", 0, stop), out / "worker-P.log"))
+        procs.append(D := Proc(ctx, worker.main, ("D", d_dev, stop), out / "worker-D.log"))
+        run, result["gpu"] = Run(P, D, result, iters), D.hello
+        descs = P.call("add_backend", "cuda_ipc"), D.call("add_backend", "cuda_ipc")
+        P.call("connect_backend", "cuda_ipc", descs[1])
+        D.call("connect_backend", "cuda_ipc", descs[0])
+        result["env"] = D.call("environment")
+        best: dict[str, Any] = json.loads(args.variant) if args.variant else {}
+        if "sweep" in phases and not args.variant and (found := run.attempt("sweep", run.sweep)) is not None:
+            result["sweep"], best = found, found["best"]
+        result["kernel_variant"] = best
+        if "table" in phases:
+            result["table"] = run.table(best, set(filter(None, args.methods.split(","))))
+        if "breakdown" in phases:
+            variant = {"method": "kernel", "kernel": best}
+            result["breakdown"] = run.attempt(
+                "breakdown", lambda: D.call("breakdown", "layer_major/128", variant)
+            )
+        info = lambda pr: lambda: pr.call("backend_info", "cuda_ipc")
+        result["cuda_ipc_info"] = {
+            role: run.attempt(f"info/{role}", info(pr)) for role, pr in (("D", D), ("P", P))
+        }
+        result["peers"] = run.peers(names)
+        if "load" in phases:
+            result["load"] = run.attempt("load", lambda: load(ctx, D, stop, d_dev, best, out, procs))
+    finally:
+        for proc in reversed(procs):
+            proc.close()
+        result["wall_s"] = round(time.perf_counter() - t0, 1)
+        result["transport_log_lines"] = {role: transports(out / f"worker-{role}.log") for role in ("P", "D")}
+        for key, fn in (
+            ("summary", lambda: summarize(result)),
+            ("plot", lambda: plot(result, out / f"{args.name}.png")),
+        ):
+            try:
+                fn()
+            except Exception as exc:
+                result["errors"][key] = repr(exc)
+        write_json(out / f"{args.name}.json", result)
+        print_table(result)
+        if result["errors"]:
+            print("errors:", json.dumps(result["errors"], indent=1)[:6000])
 
 
 if __name__ == "__main__":

@@ -8,9 +8,8 @@ of ``transfer_gpu_worker.Worker`` (same workload, same checks, same host timing 
 - **Mooncake** (``mooncake-transfer-engine-cuda13``): protocol ``nvlink_intra`` with
   ``MC_INTRANODE_NVLINK=1``, P2P handshake (no metadata server), ``batch_transfer_sync_*_arrays``.
 
-The settings go into the environment before the library loads (``PEER_ENV``), and each worker's
-stdout/stderr (where UCX and Mooncake log) goes to a file, from which ``transports`` picks the
-lines that name the transport really used.
+The settings go into the environment before the libraries load (``PEER_ENV``); ``transports`` picks
+the lines of a worker's log that name the transport really used.
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from bench.transfer_gpu_cases import Case
+from bench.transfer_gpu_worker import Case
 
 PEER_ENV: dict[str, dict[str, str]] = {
     "nixl": {
@@ -50,14 +49,6 @@ def set_env(names: list[str]) -> dict[str, str]:
             os.environ[k] = v  # the benchmark's child processes only; the library reads them at load
             done[k] = v
     return done
-
-
-def redirect_output(path: Path) -> None:
-    """Send this process's fd 1 and 2 (C libraries log there) to ``path``."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
 
 
 def transports(log: Path, limit: int = 40) -> list[str]:

@@ -1,28 +1,97 @@
-"""A worker process of ``transfer_gpu_bench.py``: P (holds the prefill cache) or D (the decode cache).
+"""The processes of ``transfer_gpu_bench.py``: P (holds the prefill cache) or D (the decode cache), and
+the decode engine of the load phase; and the workload both workers rebuild from the same seeds.
 
-Each worker owns one 4 GiB cache on its GPU and one backend object per library under test
-(``cuda_ipc`` here, ``nixl`` and ``mooncake`` in ``transfer_gpu_peers.py``). Its command loop
-(``main``) times transfers that *it* issues: D issues the reads (pulls), P the writes (pushes).
-D alone checks results, against P's pattern rebuilt on its GPU. A failing command answers with
-its error; the worker goes on.
+The workload: a Llama-3.1-8B-like layer-major cache (32 layers, 8 KV heads, head dim 128, bf16,
+block 16: one (layer, K or V, block) is 32 KiB); prompts of 128, 1k, 4k and 16k tokens from random
+blocks on both sides, and one 2 GiB contiguous segment. Each worker owns one cache on its GPU and a
+backend per library under test (``cuda_ipc`` here, the peers in ``transfer_gpu_peers.py``); it
+times the transfers it issues (D the reads, P the writes). D checks results against P's pattern,
+rebuilt on its own GPU. A failing command answers with its error; the worker goes on.
 """
 
 from __future__ import annotations
 
-import statistics
+import dataclasses
+import functools
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
+import numpy as np
 import torch
 
-from bench.transfer_gpu_cases import D_SEED, P_SEED, POISON_SEED, Case, case, fill_random, layout, verify
+from bench.common import agent_op, median
 
+LAYOUT_KW = dict(
+    num_layers=32, num_blocks=2048, block_size=16, num_kv_heads=8, head_dim=128, dtype="bfloat16"
+)
+PROMPTS = (128, 1024, 4096, 16384)
+P_SEED, D_SEED, POISON_SEED = 1234, 5678, 91011
 HOLD_CYCLES = 1_000_000  # ~0.5 ms of GPU sleep: the host enqueues the copy meanwhile (device timing)
 WAIT_S = 60.0  # one transfer's deadline
 MEASURE_BUDGET_S = 1.5  # per (variant, case): stop early once this much wall time went into timing
+LOAD_BATCH, LOAD_PROMPT = 64, 128  # the load phase's decode batch
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One transfer: D's segments ``d_off`` <- P's ``p_off`` (``sizes``); no blocks: contiguous."""
+
+    name: str
+    d_blocks: np.ndarray | None
+    p_blocks: np.ndarray | None
+    d_off: np.ndarray
+    p_off: np.ndarray
+    sizes: np.ndarray
+
+    @property
+    def num_bytes(self) -> int:
+        return int(self.sizes.sum())
+
+    @property
+    def num_segments(self) -> int:
+        return int(self.sizes.size)
+
+
+def layout() -> Any:
+    from moriio_ray.transfer.layout import LAYER_MAJOR, KVLayout
+
+    return KVLayout(**LAYOUT_KW, order=LAYER_MAJOR)  # type: ignore[arg-type]
+
+
+def contiguous(name: str, num_bytes: int) -> Case:
+    one = np.zeros(1, np.int64)
+    return Case(name, None, None, one, one.copy(), np.array([num_bytes]))
+
+
+@functools.cache
+def cases() -> dict[str, Case]:
+    """layer_major/{128,1024,4096,16384} (random blocks on both sides) and contiguous/2GiB."""
+    from moriio_ray import plan_blocks
+
+    lm, rng, out = layout(), np.random.default_rng(42), {}
+    for tokens in PROMPTS:
+        d_blocks, p_blocks = (rng.choice(lm.num_blocks, tokens // lm.block_size, replace=False) for _ in "dp")
+        plan = plan_blocks(d_blocks, p_blocks, lm, lm)  # local = D
+        name = f"layer_major/{tokens}"
+        out[name] = Case(name, d_blocks, p_blocks, plan.local_offsets, plan.remote_offsets, plan.sizes)
+    out["contiguous/2GiB"] = contiguous("contiguous/2GiB", 2 << 30)
+    return out
+
+
+def case(name: str) -> Case:
+    """A case by name; ``<case>/contiguous``: its bytes as one segment (the copy-engine ceiling)."""
+    if name.endswith("/contiguous"):
+        return contiguous(name, cases()[name.rsplit("/", 1)[0]].num_bytes)
+    return cases()[name]
+
+
+def fill_random(flat: torch.Tensor, seed: int) -> None:
+    """Seeded random bytes in a uint8 GPU tensor (the same bytes on any GPU of one model)."""
+    flat.view(torch.int32).random_(generator=torch.Generator(device=flat.device).manual_seed(seed))
 
 
 class CudaIpcBackend:
@@ -45,20 +114,19 @@ class CudaIpcBackend:
         self.agent.connect(decode_engine_desc(peer[0]))
         self.peer_mem = decode_memory_desc(peer[1])
 
-    def prepare(self, op: str, c: Case, variant: dict[str, Any]) -> Any:
+    def prepare(self, op: str, c: Case, variant: dict[str, Any]) -> Callable[[], Any]:
         from moriio_ray.transfer.cuda_kernels import KernelVariant
 
         kv = variant.get("kernel")
         self.agent.tune(
             method=variant.get("method", "auto"),
-            variant=KernelVariant(**kv) if kv is not None else KernelVariant(),
+            variant=KernelVariant(**(kv or {})),
             max_ctas=variant.get("max_ctas", 0),
             prefer_overlap=variant.get("prefer_overlap", False),
             batch=variant.get("batch", True),
         )
-        if op == "read":  # D pulls: local = D
-            return lambda: self.agent.read(self.mem, self.peer_mem, c.d_off, c.p_off, c.sizes)
-        return lambda: self.agent.write(self.mem, self.peer_mem, c.p_off, c.d_off, c.sizes)
+        local, remote = (c.d_off, c.p_off) if op == "read" else (c.p_off, c.d_off)  # D pulls, P pushes
+        return lambda: agent_op(self.agent, op, self.mem, self.peer_mem, local, remote, c.sizes)
 
     def info(self) -> dict[str, Any]:
         mode, reason = self.agent.copy_engine_mode(self.device)
@@ -74,16 +142,30 @@ class CudaIpcBackend:
         self.agent.close()
 
 
-def _median_us(xs: list[float]) -> float | None:
-    return round(statistics.median(xs) * 1e6, 2) if xs else None
+def _us(xs: list[float]) -> float | None:
+    return round(median(xs) * 1e6, 2) if xs else None
+
+
+def _time(fn: Callable[[], Any], iters: int = 300, drain: Callable[[], Any] | None = None) -> float | None:
+    """Median µs of ``fn`` (the first 5 left out); ``drain`` every 50 calls, so the GPU queue never fills."""
+    out = []
+    for i in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+        if drain is not None and i % 50 == 49:
+            drain()
+    if drain is not None:
+        drain()
+    return _us(out[5:])
 
 
 class Worker:
     def __init__(self, role: str, device: int) -> None:
-        torch.cuda.set_device(device)
-        self.role, self.device = role, device
         from moriio_ray.transfer import cuda_memory
 
+        torch.cuda.set_device(device)
+        self.role, self.device, self.backends = role, device, dict[str, Any]()
         self.cache = cuda_memory.allocate(layout().total_bytes, torch.device("cuda", device))  # exportable
         fill_random(self.cache, P_SEED if role == "P" else D_SEED)
         self.p_ref: torch.Tensor | None = None
@@ -91,17 +173,15 @@ class Worker:
             self.p_ref = torch.empty_like(self.cache)
             fill_random(self.p_ref, P_SEED)
         torch.cuda.synchronize()
-        self.backends: dict[str, Any] = {}
 
     def add_backend(self, name: str) -> Any:
         if name == "cuda_ipc":
-            backend: Any = CudaIpcBackend(self.role, self.device, self.cache)
+            self.backends[name] = CudaIpcBackend(self.role, self.device, self.cache)
         else:
             from bench.transfer_gpu_peers import make_peer_backend
 
-            backend = make_peer_backend(name, self.role, self.device, self.cache)
-        self.backends[name] = backend
-        return backend.desc
+            self.backends[name] = make_peer_backend(name, self.role, self.device, self.cache)
+        return self.backends[name].desc
 
     def connect_backend(self, name: str, peer_desc: Any) -> bool:
         self.backends[name].connect(peer_desc)
@@ -114,16 +194,14 @@ class Worker:
         import ctypes
 
         import cupy
-        import numpy
 
         version = ctypes.c_int()
         ctypes.CDLL("libcuda.so.1").cuDriverGetVersion(ctypes.byref(version))
         return {
             "gpu": torch.cuda.get_device_name(self.device),
             "torch": torch.__version__,
-            "torch_cuda": torch.version.cuda,
             "cupy": cupy.__version__,
-            "numpy": numpy.__version__,
+            "torch_cuda": torch.version.cuda,
             "driver_cuda_version": version.value,
             "python": sys.version.split()[0],
         }
@@ -134,44 +212,48 @@ class Worker:
         return True
 
     def verify(self, name: str) -> bool:
+        """Whether D's cache holds P's bytes where the case put them."""
         assert self.p_ref is not None, "only D verifies"
         torch.cuda.synchronize()
-        return verify(self.cache, self.p_ref, case(name))
+        c = case(name)
+        if c.d_blocks is None or c.p_blocks is None:
+            return bool(torch.equal(self.cache[: c.num_bytes], self.p_ref[: c.num_bytes]))
+        d5, p5 = (t.view(torch.int16).view(layout().shape) for t in (self.cache, self.p_ref))
+        d_idx, p_idx = (torch.as_tensor(b, device=self.cache.device) for b in (c.d_blocks, c.p_blocks))
+        return bool(torch.equal(d5.index_select(2, d_idx), p5.index_select(2, p_idx)))  # dim 2: blocks
 
     def measure(
         self, backend: str, op: str, name: str, variant: dict[str, Any], iters: int
     ) -> dict[str, Any]:
         """Host (issue to wait returned) and, for cuda_ipc, device times of one variant on one case."""
-        b = self.backends[backend]
-        c = case(name)
-        issue = b.prepare(op, c, variant)
+        issue = self.backends[backend].prepare(op, case(name), variant)
         first = issue()
         first.wait(timeout_s=WAIT_S)
-        out: dict[str, Any] = {"method": getattr(first, "method", backend)}
-        agent = b.agent if backend == "cuda_ipc" else None
-        device_s: list[float] = []
+        agent = self.backends[backend].agent if backend == "cuda_ipc" else None
+        device_s, host_s = list[float](), list[float]()
         if agent is not None:  # device time: CUDA events after the copy's waits, host enqueue hidden
-            agent.time_transfers = True
-            start = time.perf_counter()
+            agent.time_transfers, start = True, time.perf_counter()
             try:
                 while len(device_s) < iters and (
                     len(device_s) < 2 or time.perf_counter() - start < MEASURE_BUDGET_S
                 ):
                     torch.cuda._sleep(HOLD_CYCLES)  # on the current stream, which the copy waits for
-                    x = issue()
-                    x.wait(timeout_s=WAIT_S)
+                    (x := issue()).wait(timeout_s=WAIT_S)
                     device_s.append(x.device_seconds())
             finally:
                 agent.time_transfers = False
-        host_s: list[float] = []
         start = time.perf_counter()
         while len(host_s) < iters and (len(host_s) < 2 or time.perf_counter() - start < MEASURE_BUDGET_S):
             t0 = time.perf_counter()
             issue().wait(timeout_s=WAIT_S)
             host_s.append(time.perf_counter() - t0)
-        out.update(host_us=_median_us(host_s), device_us=_median_us(device_s), n=len(host_s))
-        out["host_us_min"] = round(min(host_s) * 1e6, 2)
-        return out
+        return {
+            "method": getattr(first, "method", backend),
+            "host_us": _us(host_s),
+            "device_us": _us(device_s),
+            "n": len(host_s),
+            "host_us_min": round(min(host_s) * 1e6, 2),
+        }
 
     def loop(
         self, backend: str, op: str, name: str, variant: dict[str, Any], *, stop: Any, conn: Connection
@@ -185,21 +267,120 @@ class Worker:
             t0 = time.perf_counter()
             issue().wait(timeout_s=WAIT_S)
             times.append(time.perf_counter() - t0)
-        return {"transfers": len(times), "transfer_us": _median_us(times)}
+        return {"transfers": len(times), "transfer_us": _us(times)}
 
     def breakdown(self, name: str, variant: dict[str, Any]) -> dict[str, Any]:
-        from bench.transfer_gpu_breakdown import breakdown
+        """Where the host time of one cuda_ipc read goes: each step of the issue path timed alone."""
+        from moriio_ray.transfer import cuda_driver, cuda_methods
+        from moriio_ray.transfer.base import as_segments, check_bounds
 
-        return breakdown(self.backends["cuda_ipc"], case(name), variant)
+        b, c = self.backends["cuda_ipc"], case(name)
+        agent, mem, peer_mem, lo, ro, sz = b.agent, b.mem, b.peer_mem, c.d_off, c.p_off, c.sizes
+        issue = b.prepare("read", c, variant)
+        issue().wait(timeout_s=WAIT_S)
+        dev = torch.device("cuda", self.device)
+        lane, pending = agent._lane(dev), list[Any]()
+        sync = lane.stream.synchronize
+        out: dict[str, Any] = {"case": c.name, "segments": c.num_segments, "variant": variant}
+        out["end_to_end_us"] = _time(lambda: issue().wait(timeout_s=WAIT_S))
+
+        def drain() -> None:
+            sync()
+            pending.clear()
+
+        out["issue_only_us"] = _time(lambda: pending.append(issue()), drain=drain)
+        waits = []
+        for _ in range(100):
+            x, t0 = issue(), time.perf_counter()
+            x.wait(timeout_s=WAIT_S)
+            waits.append(time.perf_counter() - t0)
+        out["wait_after_issue_us"] = _us(waits)
+
+        def checks() -> None:
+            a, r, s = as_segments(lo, ro, sz)
+            check_bounds(a, s, mem.num_bytes, "local", "x")
+            check_bounds(r, s, peer_mem.num_bytes, "remote", "y")
+
+        cfg, seg = agent.config.cuda_ipc, cuda_methods.describe(sz)
+        out["base_checks_us"] = _time(checks)
+        out["describe_and_choose_us"] = _time(
+            lambda: cuda_methods.choose(
+                cfg.method,
+                cuda_methods.describe(sz),
+                small_transfer_bytes=cfg.small_transfer_bytes,
+                copy_engine_segment_bytes=cfg.copy_engine_segment_bytes,
+            )
+        )
+        out["peer_alive_us"] = _time(lambda: agent._peer_alive(peer_mem.engine_key, thorough=False))
+        src, _ = agent._remote_region(agent.peers()[peer_mem.engine_key], peer_mem, dev.index)
+        dst = agent.local_tensor(mem).data_ptr()
+        with cuda_driver.ContextGuard(lane.ctx):
+            out["context_guard_us"] = _time(lambda: cuda_driver.ContextGuard(lane.ctx).__enter__())
+
+            def order() -> None:
+                lane.order.record(agent._current_stream(lane.index))
+                cuda_driver.stream_wait(lane.handle, lane.order)
+
+            out["stream_order_us"] = _time(order)
+            out["stage_metadata_us"] = _time(lambda: lane.copier._stage(ro, lo, sz, seg), drain=sync)
+            out["stage_and_launch_us"] = _time(
+                lambda: lane.copier.copy(src, dst, ro, lo, sz, seg), drain=sync
+            )
+            out["copy_engine_batch_submit_us"] = _time(
+                lambda: lane.engine.copy(src, dst, ro, lo, sz, lane.handle), iters=60, drain=sync
+            )
+            out["raw_event_create_record_us"] = _time(
+                lambda: cuda_driver.RawEvent().record(lane.handle), drain=sync
+            )
+        out["launch_us"] = round((out["stage_and_launch_us"] or 0) - (out["stage_metadata_us"] or 0), 2)
+        return out
 
 
-def run_logged(target: Any, log: Any, *args: Any) -> None:
-    """Spawn target: send this process's output to ``log`` (C libraries log there), then run ``target``."""
-    if log is not None:
-        from bench.transfer_gpu_peers import redirect_output
+def engine_main(conn: Connection, device: int) -> None:
+    """The load phase's decode process: ``llama-1b``, bf16, CUDA graphs, LOAD_BATCH sequences
+    decoding; answers ``("steps", n)`` with n step times (s)."""
+    try:
+        from moriio_ray.config import EngineConfig, ModelConfig
+        from moriio_ray.engine.engine import Engine
+        from moriio_ray.engine.sampling import SamplingParams
 
-        redirect_output(log)
-    target(*args)
+        torch.cuda.set_device(device)
+        config = EngineConfig(
+            device="cuda",
+            num_blocks=8192,
+            max_num_seqs=LOAD_BATCH,
+            max_num_batched_tokens=LOAD_BATCH * LOAD_PROMPT,
+        )
+        engine = Engine(
+            ModelConfig(preset="llama-1b", dtype="bfloat16", max_model_len=2048),
+            config,
+            role="colocated",
+            cuda_graphs=True,
+        )
+        prompts = torch.randint(0, 256, (LOAD_BATCH, LOAD_PROMPT), generator=torch.Generator().manual_seed(0))
+        for i, prompt in enumerate(prompts.tolist()):
+            engine.add_request(f"load-{i}", prompt, SamplingParams(max_tokens=1800, ignore_eos=True))
+        for _ in range(11):  # the prefill of all of them, then a warm-up
+            engine.step()
+        torch.cuda.synchronize()
+        conn.send(("ok", "ready"))
+    except Exception as exc:
+        conn.send(("error", repr(exc)))
+        return
+    while (msg := conn.recv())[0] != "exit":
+        try:
+            times, batch = [], LOAD_BATCH
+            for _ in range(int(msg[1][0])):
+                t0 = time.perf_counter()
+                batch = min(batch, len(engine.step()))
+                torch.cuda.synchronize()
+                times.append(time.perf_counter() - t0)
+            if batch != LOAD_BATCH:  # the steps did not all decode the whole batch: not comparable
+                raise RuntimeError(f"a decode step produced {batch} outputs, expected {LOAD_BATCH}")
+            conn.send(("ok", times))
+        except Exception as exc:
+            conn.send(("error", repr(exc)))
+    conn.send(("ok", None))
 
 
 def main(conn: Connection, role: str, device: int, stop: Any) -> None:
@@ -210,21 +391,28 @@ def main(conn: Connection, role: str, device: int, stop: Any) -> None:
     except Exception:
         conn.send(("error", traceback.format_exc(limit=8)))
         return
-    while True:
-        cmd, args = conn.recv()
-        if cmd == "exit":
-            for b in worker.backends.values():
-                try:
-                    b.close()
-                except Exception:
-                    pass
-            conn.send(("ok", None))
-            return
+    while (msg := conn.recv())[0] != "exit":
+        cmd, args = msg
         try:
-            if cmd == "loop":
-                value = worker.loop(*args, stop=stop, conn=conn)
-            else:
-                value = getattr(worker, cmd)(*args)
+            value = worker.loop(*args, stop=stop, conn=conn) if cmd == "loop" else getattr(worker, cmd)(*args)
             conn.send(("ok", value))
         except Exception as exc:
             conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=6)}"))
+    for b in worker.backends.values():
+        try:
+            b.close()
+        except Exception:
+            pass
+    conn.send(("ok", None))
+
+
+def run_logged(target: Any, log: Any, *args: Any) -> None:
+    """Spawn target: this process's fd 1 and 2 (where C libraries log) to ``log``, then ``target``."""
+    if log is not None:
+        import os
+
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+    target(*args)

@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from moriio_ray.serve.process import ServeProcess
+from bench.launch import ServeProcess
 from tests.e2e.serving import Shared
 
 TINY_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny_1p1d_cpu.yaml"

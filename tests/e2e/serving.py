@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from moriio_ray.serve.process import ServeProcess
+from bench.launch import ServeProcess
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 

@@ -19,7 +19,7 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from moriio_ray.serve.process import ServeProcess
+from bench.launch import ServeProcess
 from tests.e2e.serving import Shared, wait_quiet, worker_stats
 from tests.fuzz_bodies import chat_bodies, check_error_body, completion_bodies, encoded
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from moriio_ray.serve.process import ServeProcess, free_port
+from bench.launch import ServeProcess, free_port
 from moriio_ray.serve.serve_mode import isolated, mode_of
 from tests.e2e.serving import haproxy_pids, stop_if_running
 

@@ -16,8 +16,8 @@ import httpx
 import openai
 import pytest
 
+from bench.launch import ServeProcess
 from moriio_ray.serve.handler import IGNORED_HEADER
-from moriio_ray.serve.process import ServeProcess
 from tests.e2e.serving import Shared
 
 MODEL = "tiny"

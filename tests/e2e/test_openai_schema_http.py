@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from moriio_ray.serve.process import ServeProcess
+from bench.launch import ServeProcess
 from tests.e2e.serving import Shared
 from tests.openai_replies import ERRORS, KINDS, ErrorCase, Kind, check_error, check_reply
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from moriio_ray.serve.process import ServeProcess
+from bench.launch import ServeProcess
 from tests.e2e.serving import running
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,12 +34,9 @@ NOT_RUN = {
     "python -m bench.transfer_bench": "a benchmark of minutes; its record: bench/results/transfer_bench.json",
     "python bench/transfer_gpu_bench.py": "needs two NVIDIA GPUs",
     "python bench/engine_bench.py": "needs an NVIDIA GPU",
-    "python bench/handoff_bench.py --concurrency": "a benchmark of minutes; its record is bench/results/",
-    "python bench/handoff_bench.py --backends": "a benchmark of minutes; its record is bench/results/",
-    "python bench/serving_bench.py": "a benchmark of minutes (its GPU run needs an H200); records: "
-    "bench/results/serving_*.json",
+    "python bench/serving.py": "a benchmark of minutes (its GPU run needs an H200); records: "
+    "bench/results/serving_*.json, handoff_*, prefix_*, n_choices_*, serve_cpu.json",
     "controller_options:": "a Serve config fragment; tests/unit/test_configs.py checks it in every config",
-    "python bench/serve_bench.py": "a benchmark of minutes; its record is bench/results/serve_cpu.json",
     "# 1. on the head node": "the multi-node steps: tests/e2e/test_multinode_docs.py runs them (same block)",
 }
 

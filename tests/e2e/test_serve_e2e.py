@@ -18,7 +18,7 @@ import httpx
 import openai
 import pytest
 
-from moriio_ray.serve.process import ServeProcess
+from bench.launch import ServeProcess
 from moriio_ray.transfer.shm_segment import SHM_DIR
 from tests.e2e.serving import (
     Shared,

@@ -19,10 +19,10 @@ import msgspec
 import pytest
 import ray
 
+from bench.launch import free_port
 from moriio_ray import SamplingParams
 from moriio_ray.config import ServeConfig
 from moriio_ray.engine.tokenizer import load_tokenizer
-from moriio_ray.serve.process import free_port
 from moriio_ray.worker.outputs import CALLER_GRACE_S, STREAM_PERIOD_S
 from tests.e2e.serving import missing_metrics, readme_metrics
 from tests.faults import delay_transfers

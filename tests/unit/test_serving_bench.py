@@ -1,39 +1,37 @@
-"""The serving benchmark's pure parts: percentiles, the schedule, summaries and budgets, the HTTP/SSE
-parsers, the split of a cell over client processes, and the client against a local socket server."""
+"""The serving benchmark's pure parts: percentiles, the prompts, summaries, the config builder, the
+HTTP/SSE parsers, the split of a cell over client processes, the load drivers, the client against a
+local socket server, and the report's goals and tables."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from bench.serving_client import assign, closed_loop, split_concurrency
-from bench.serving_http import (
+from bench.common import percentile, pipeline_args, serve_doc, set_path, stats
+from bench.http_client import (
     ChunkedDecoder,
     Connection,
     ProtocolError,
+    Record,
     SSEParser,
+    arrivals,
+    assign,
+    drive,
     read_event,
+    split_concurrency,
     stream_completion,
     tokens_in_event,
 )
-from bench.serving_report import goals, markdown
-from bench.serving_run import http_series
-from bench.serving_stats import (
-    Record,
-    cell_budget_s,
-    estimate_cell_s,
-    num_requests,
-    percentile,
-    ratios,
-    relative,
-    schedule,
-    summarize,
-)
-from bench.serving_systems import PIPELINES, pipeline_args, with_stream_interval
+from bench.report import goals, markdown, render
+from bench.serving import cell_requests, label, prompts, raw_rows, summarize
 from moriio_ray import parse_pipeline_config
+
+ROOT = Path(__file__).resolve().parents[2]
 
 # -- percentiles, schedule, summaries ---------------------------------------------------------------
 
@@ -50,21 +48,35 @@ def test_percentile_interpolates_between_order_statistics() -> None:
         percentile(values, 1.5)
 
 
-def test_num_requests_is_waves_of_concurrency_with_a_floor() -> None:
-    assert num_requests(1, 4, 16) == 16
-    assert num_requests(64, 4, 16) == 256
-    with pytest.raises(ValueError):
-        num_requests(0, 4, 16)
+def test_stats_p50_p99_mean() -> None:
+    assert stats([1.0, 2.0, 3.0]) == {"p50": 2.0, "p99": pytest.approx(2.98), "mean": 2.0}
+    assert stats([]) == {"p50": None, "p99": None, "mean": None}
 
 
-def test_schedule_is_deterministic_exact_length_and_in_range() -> None:
-    a = schedule(5, 128, 128256, seed=3)
-    assert a == schedule(5, 128, 128256, seed=3)
+def test_cell_requests_are_waves_of_concurrency_with_a_floor() -> None:
+    a = argparse.Namespace(requests=16, waves=4)
+    assert cell_requests(a, ("c", 1)) == 16
+    assert cell_requests(a, ("c", 64)) == 256
+    assert cell_requests(a, ("rate", 64.0)) == 16  # open loop: the fixed count
+    assert (label(("c", 32)), label(("rate", 2.0)), label(("rate", 0.5))) == ("c=32", "rate=2", "rate=0.5")
+
+
+def test_prompts_are_deterministic_exact_length_and_in_range() -> None:
+    a = prompts(5, 128, seed=3)
+    assert a == prompts(5, 128, seed=3)
     assert len(a) == 5 and all(len(p) == 128 for p in a)
     assert all(0 <= t < 256 for p in a for t in p)
-    assert schedule(5, 128, 128256, seed=4) != a
-    assert schedule(5, 128, 300, seed=3) == a  # any vocabulary of 256+ ids gives the same stream
-    assert all(t < 100 for p in schedule(3, 64, 100, seed=0) for t in p)
+    assert prompts(5, 128, seed=4) != a
+    mixed = prompts(400, 32, seed=0, long_fraction=0.25, long_len=512)
+    long = [p for p in mixed if len(p) >= 512]
+    assert all(32 <= len(p) <= 64 or 512 <= len(p) <= 1024 for p in mixed)
+    assert 0.15 < len(long) / len(mixed) < 0.35
+
+
+def test_poisson_arrivals_are_seeded_and_increasing() -> None:
+    at = arrivals(200, 10.0, seed=1)
+    assert at == arrivals(200, 10.0, seed=1) and at == sorted(at)
+    assert 10 < at[-1] < 30  # 200 requests at 10/s: about 20 s
 
 
 def _rec(index: int, sent: float, first: float, last: float, tokens: int, error: str | None = None) -> Record:
@@ -97,31 +109,9 @@ def test_summarize_ttft_tpot_throughput_and_short_requests() -> None:
     assert s["tpot_s"]["mean"] == pytest.approx(0.15)
     assert s["tokens_per_chunk"] == 1.0
     assert any("expected 4" in e for e in s["errors"]) and any("boom" in e for e in s["errors"])
-    rows = relative(records)
+    rows = raw_rows(records)
     assert rows[0][:3] == [0, 0.0, pytest.approx(0.1)]
     assert rows[3][2] is None and rows[3][-1] == "boom"
-
-
-def test_ratios_to_the_engine() -> None:
-    cell = {"output_tok_s": 50.0, "tpot_s": {"p50": 0.02, "p99": 0.04}, "ttft_s": {"p50": 0.1, "p99": None}}
-    base = {"output_tok_s": 100.0, "tpot_s": {"p50": 0.01, "p99": 0.02}, "ttft_s": {"p50": 0.05, "p99": 0.1}}
-    r = ratios(cell, base)
-    assert r["output_tok_s"] == 0.5 and r["tpot_s.p50"] == 2.0 and r["ttft_s.p50"] == 2.0
-    assert r["ttft_s.p99"] is None
-    assert ratios(cell, None) == {}
-
-
-def test_cell_budget_shares_the_time_left_after_startups_and_drains() -> None:
-    assert cell_budget_s(100.0, 10, 40.0, 0.0, cap_s=30.0) == pytest.approx(6.0)
-    assert cell_budget_s(100.0, 10, 40.0, 2.5, cap_s=30.0) == pytest.approx(3.5)
-    assert cell_budget_s(1000.0, 2, 0.0, 0.0, cap_s=30.0) == 30.0
-    assert cell_budget_s(10.0, 10, 40.0, 0.0, cap_s=30.0) == 0.5  # never below half a second
-    assert cell_budget_s(10.0, 0, 0.0, 0.0, cap_s=30.0) == 30.0
-
-
-def test_estimate_cell_counts_waves_prefill_and_decode() -> None:
-    s = estimate_cell_s(8, 100, 20, 11, step_s=0.01, step_per_seq_s=0.001, prefill_tok_s=800.0)
-    assert s == pytest.approx(3 * (8 * 100 / 800.0 + 10 * (0.01 + 8 * 0.001)))
 
 
 # -- configs -------------------------------------------------------------------------------------
@@ -130,7 +120,7 @@ def test_estimate_cell_counts_waves_prefill_and_decode() -> None:
 @pytest.mark.parametrize("gpu", [False, True])
 def test_pipeline_args_derive_each_system(gpu: bool) -> None:
     base = {"model": {"preset": "tiny"}, "engine": {"block_size": 16, "gpu_memory_fraction": 0.6}}
-    for system in PIPELINES:
+    for system in ("colocated", "read", "write"):
         args = pipeline_args(
             base, system, gpu=gpu, max_concurrency=128, max_prompt_len=1024, output_tokens=64
         )
@@ -143,11 +133,37 @@ def test_pipeline_args_derive_each_system(gpu: bool) -> None:
         if system == "colocated":
             assert cfg.mode == "colocated" and cfg.pool.colocated.num_gpus == (1.0 if gpu else 0.0)
         else:
-            assert cfg.mode == system.removeprefix("pd-")
+            assert cfg.mode == system
             assert cfg.pool.prefill.num_gpus == cfg.pool.decode.num_gpus == (0.5 if gpu else 0.0)
     assert base == {"model": {"preset": "tiny"}, "engine": {"block_size": 16, "gpu_memory_fraction": 0.6}}
     with pytest.raises(ValueError, match="system"):
         pipeline_args(base, "engine", gpu=gpu, max_concurrency=1, max_prompt_len=8, output_tokens=2)
+
+
+def test_pipeline_args_overrides_backend_and_colocated_replicas() -> None:
+    base = serve_doc(ROOT / "configs" / "tiny_1p1d_cpu.yaml")["applications"][0]["args"]
+    sets = ["engine.num_blocks=2048", "serve.stream_interval=1", "name=x", "pool.prefill.num_cpus=1"]
+    cfg = parse_pipeline_config(pipeline_args(base, "write", backend="tcp", overrides=sets))
+    assert (cfg.engine.num_blocks, cfg.serve.stream_interval, cfg.name) == (2048, 1, "x")
+    assert (cfg.transfer.backend, cfg.mode, cfg.pool.prefill.num_cpus) == ("tcp", "write", 1.0)
+    cfg = parse_pipeline_config(pipeline_args(base, "colocated", colocated_replicas=2))
+    assert cfg.pool.colocated.replicas == 2 and cfg.pool.prefill.replicas == 0
+
+
+def test_set_path_and_serve_doc(tmp_path: Path) -> None:
+    args: dict[str, Any] = {"serve": {"num_replicas": 2}}
+    set_path(args, "serve.stream_interval=4")
+    set_path(args, "engine.enable_prefix_caching=false")
+    assert args == {
+        "serve": {"num_replicas": 2, "stream_interval": 4},
+        "engine": {"enable_prefix_caching": False},
+    }
+    bare = tmp_path / "bare.yaml"
+    bare.write_text("name: bare\nmodel: {preset: tiny}\n")
+    assert serve_doc(bare)["applications"][0]["args"] == {"name": "bare", "model": {"preset": "tiny"}}
+    assert (
+        serve_doc(ROOT / "configs" / "tiny_1p1d_cpu.yaml")["applications"][0]["args"]["name"] == "tiny-1p1d"
+    )
 
 
 # -- HTTP and SSE --------------------------------------------------------------------------------
@@ -210,14 +226,17 @@ def test_split_concurrency_and_assign() -> None:
 
 
 @pytest.mark.timeout(20)
-def test_closed_loop_keeps_concurrency_and_soft_deadline() -> None:
-    async def main() -> tuple[list[Record], int, list[Record]]:
+def test_drive_keeps_concurrency_closed_loop_and_arrivals_open_loop() -> None:
+    async def main() -> tuple[list[Record], int, list[Record], list[float]]:
         running = peak = 0
+        t0 = asyncio.get_running_loop().time()
+        started: list[float] = []
 
         async def one(slot: int, item: int) -> Record:
             nonlocal running, peak
             running += 1
             peak = max(peak, running)
+            started.append(asyncio.get_running_loop().time() - t0)
             await asyncio.sleep(0.001)
             running -= 1
             return Record(index=item, status=200)
@@ -225,17 +244,16 @@ def test_closed_loop_keeps_concurrency_and_soft_deadline() -> None:
         def timed_out(slot: int, item: int) -> Record:
             return Record(index=item, error="timeout")
 
-        records = await closed_loop(
-            list(range(30)), 4, one, soft_deadline_s=None, timeout_s=5.0, on_timeout=timed_out
-        )
-        stopped = await closed_loop(
-            list(range(30)), 4, one, soft_deadline_s=0.0, timeout_s=5.0, on_timeout=timed_out
-        )
-        return records, peak, stopped
+        records = await drive(list(range(30)), one, timed_out, timeout_s=5.0, concurrency=4)
+        peak_closed, started[:] = peak, []
+        t0 = asyncio.get_running_loop().time()
+        opened = await drive([0, 1, 2], one, timed_out, timeout_s=5.0, at_s=[0.0, 0.05, 0.1])
+        return records, peak_closed, opened, list(started)
 
-    records, peak, stopped = asyncio.run(main())
+    records, peak, opened, started = asyncio.run(main())
     assert sorted(r.index for r in records) == list(range(30)) and peak == 4
-    assert stopped == []  # past the soft deadline, nothing starts
+    assert [r.index for r in opened] == [0, 1, 2]
+    assert started[1] >= 0.045 and started[2] >= 0.095  # each at its arrival time
 
 
 @pytest.mark.timeout(20)
@@ -328,11 +346,12 @@ def _cell(series: str, c: int, length: int, tok_s: float, tpot_s: float, ttft_s:
     summary = {
         "num_ok": 4,
         "num_requests": 4,
+        "num_errors": 0,
         "output_tok_s": tok_s,
         "tpot_s": {"p50": tpot_s, "p99": 2 * tpot_s},
         "ttft_s": {"p50": ttft_s, "p99": 2 * ttft_s},
     }
-    return {"series": series, "concurrency": c, "prompt_len": length, "summary": summary}
+    return {"series": series, "load": f"c={c}", "concurrency": c, "prompt_len": length, "summary": summary}
 
 
 def test_goals_and_tables_from_a_report() -> None:
@@ -342,21 +361,25 @@ def test_goals_and_tables_from_a_report() -> None:
             cells.append(_cell("engine", c, length, 1000.0 * c, 0.002, 0.010))
             cells.append(_cell("colocated/python", c, length, 900.0 * c, 0.0023, 0.011))
             cells.append(_cell("pd-read/python", c, length, 500.0 * c, 0.004, 0.030))
-    cells.append({"series": "pd-read/http", "concurrency": 1, "prompt_len": 128, "error": "launch failed"})
+    cells.append({"series": "pd-read/http", "load": "c=1", "prompt_len": 128, "error": "launch failed"})
     report = {
         "grid": {"concurrency": [1, 64], "prompt_lens": [128, 1024], "output_tokens": 64},
         "engine_decode_only": {"batch": 64, "decode_tok_s": 70000.0},
         "cells": cells,
     }
-    by = {row["measure"].split(":")[0]: row for row in goals(report)}
-    assert by["colocated/python c=64 prompt 128"]["value"] == pytest.approx(900 * 64 / 70000)
-    assert by["colocated/python c=64 prompt 128"]["met"] is False  # 0.82 < 0.85
-    assert by["colocated/python c=1 prompt 128"]["met"] is True  # TPOT + 0.3 ms
-    assert by["pd-read/python c=1 prompt 128"]["met"] is False  # TPOT + 2 ms
-    assert by["colocated/python c=1 prompt 1024"]["met"] is True  # TTFT + 1 ms
-    assert by["pd-read/python c=1 prompt 1024"]["met"] is None  # needs the raw transfer time
-    assert by["pd-read/http c=64 prompt 128"]["value"] is None  # a failed series decides nothing
+    by = {row["measure"]: row for row in goals(report)}
+    rate = "output_tok_s / decode_only, c=64 prompt 128"
+    assert by[f"colocated/python {rate}"]["value"] == pytest.approx(900 * 64 / 70000)
+    assert by[f"colocated/python {rate}"]["met"] is False  # 0.82 < 0.85
+    assert by["colocated/python tpot_s.p50 - engine, c=1 prompt 128"]["met"] is True  # TPOT + 0.3 ms
+    assert by["pd-read/python tpot_s.p50 - engine, c=1 prompt 128"]["met"] is False  # TPOT + 2 ms
+    assert by["colocated/python ttft_s.p50 - engine, c=1 prompt 1024"]["met"] is True  # TTFT + 1 ms
+    assert by["pd-read/python ttft_s.p50 - engine, c=1 prompt 1024"]["met"] is None  # + the raw transfer
+    assert by[f"pd-read/http {rate}"]["value"] is None  # a failed series decides nothing
     assert by["cells that did not run"]["met"] is False
+    assert by["pd-read/python tpot_s.p50 / colocated/python, c=64 prompt 128"]["value"] == pytest.approx(
+        0.004 / 0.0023
+    )
     table = markdown(report)
     assert "| colocated/python | 128 | 900 (0.90) | 57,600 (0.90) |" in table
     assert "| pd-read/http | 128 | - | - |" in table
@@ -376,23 +399,44 @@ def test_http_goals_compare_each_serve_mode_with_the_python_api() -> None:
         "cells": cells,
     }
     by = {row["measure"]: row for row in goals(report) if row["issue"] == 20}
-    slow, fast = "colocated/http / colocated/python", "colocated/http-fast / colocated/python"
-    assert by[f"{slow} tok/s, c=128 prompt 128"]["value"] == pytest.approx(0.5)
-    assert by[f"{slow} tok/s, c=64 prompt 128"]["met"] is False
-    assert by[f"{fast} tok/s, c=64 prompt 128"]["met"] is True  # 0.95
-    assert by["colocated/http-fast c=64 tok/s / engine decode-only"]["value"] == pytest.approx(95 * 64 / 8000)
-    assert by["colocated/http - colocated/python TTFT p50 (s), c=1"]["met"] is False  # + 20 ms
-    assert by["colocated/http-fast - colocated/python TTFT p50 (s), c=1"]["met"] is True  # + 1.5 ms
-    assert by[f"{slow} TTFT p50, c=64"]["value"] == pytest.approx(3.0)
-    assert by[f"{fast} TTFT p50, c=64"]["met"] is True
+    slow, fast = (
+        "colocated/http output_tok_s / colocated/python",
+        "colocated/http-fast output_tok_s / colocated/python",
+    )
+    assert by[f"{slow}, c=128 prompt 128"]["value"] == pytest.approx(0.5)
+    assert by[f"{slow}, c=64 prompt 128"]["met"] is False
+    assert by[f"{fast}, c=64 prompt 128"]["met"] is True  # 0.95
+    decode = "colocated/http-fast output_tok_s / decode_only, c=64 prompt 128"
+    assert by[decode]["value"] == pytest.approx(95 * 64 / 8000)
+    assert by["colocated/http ttft_s.p50 - colocated/python, c=1 prompt 128"]["met"] is False  # + 20 ms
+    assert by["colocated/http-fast ttft_s.p50 - colocated/python, c=1 prompt 128"]["met"] is True  # + 1.5 ms
+    assert by["colocated/http ttft_s.p50 / colocated/python, c=64 prompt 128"]["value"] == pytest.approx(3.0)
+    assert by["colocated/http-fast ttft_s.p50 / colocated/python, c=64 prompt 128"]["met"] is True
     errors = by["requests that failed, or whose usage differed from the tokens received"]
     assert errors["value"] == 1 and errors["met"] is False
 
 
-def test_http_series_labels_and_stream_interval() -> None:
-    assert http_series(["default", "fast"], []) == [("http", "default", None), ("http-fast", "fast", None)]
-    assert http_series(["fast"], [1, 8]) == [("http-fast-i1", "fast", 1), ("http-fast-i8", "fast", 8)]
-    assert http_series(["default"], [4]) == [("http", "default", 4)]
-    args = {"name": "x", "serve": {"num_replicas": 2}}
-    assert with_stream_interval(args, 4) == {"name": "x", "serve": {"num_replicas": 2, "stream_interval": 4}}
-    assert with_stream_interval(args, None) is args and "stream_interval" not in args["serve"]
+def test_render_writes_tables_and_a_plot(tmp_path: Path) -> None:
+    cells = [
+        _cell(name, c, 128, 100.0 * c, 0.002, 0.010) for name in ("engine", "pd-read/python") for c in (1, 4)
+    ]
+    cells[-1]["summary"]["timings"] = {
+        "handoff_s": {"p50": 0.003, "p99": 0.005},
+        "handoff_rpc_s": {"p50": 0.002},
+        "handoff_local_s": {"p50": 0.001},
+        "transfer_s": {"p50": 0.0005},
+    }
+    report = {
+        "workload": "random",
+        "grid": {"concurrency": [1, 4], "prompt_lens": [128], "output_tokens": 64},
+        "cells": cells,
+        "host": {"cpu": "test cpu"},
+        "args": {"config": "configs/tiny_1p1d_cpu.yaml"},
+        "commit": "abc",
+    }
+    render(report, tmp_path / "serving_t")
+    text = (tmp_path / "serving_t.md").read_text()
+    assert "| pd-read/python | 128 | 100 (1.00) | 400 (1.00) |" in text
+    assert "| pd-read/python | c=4 | 128 | 3.0 / 5.0 | 2.0 | 1.0 | 0.5 | 10.0 / 20.0 |" in text
+    assert "Goals" in text and (tmp_path / "serving_t.png").stat().st_size > 10_000
+    assert json.loads(json.dumps(report)) == report  # the report is plain JSON

@@ -1,4 +1,4 @@
-"""``serve run`` a config in a child process: for end-to-end tests, benchmarks and scripts.
+"""``serve run`` a config in a child process, for the benchmarks and the end-to-end tests.
 
 The child gets its own process group and its own Ray temp dir, so it starts a private local Ray
 cluster that nothing else on the machine shares, and everything it spawned can be found (and, on a
