@@ -196,8 +196,10 @@ def agent_op(
     agent: Any, op: str, local: Any, remote: Any, local_off: Any, remote_off: Any, sizes: Any
 ) -> Any:
     """The benches' one call into a transfer agent: ``op`` (read, write) of segments, a handle."""
+    from moriio_ray.transfer.plan import TransferPlan
+
     call = agent.read if op == "read" else agent.write
-    return call(local, remote, local_off, remote_off, sizes)
+    return call(local, remote, TransferPlan(local_off, remote_off, sizes))
 
 
 # -- plots -----------------------------------------------------------------------------------------

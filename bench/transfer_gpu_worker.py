@@ -239,7 +239,8 @@ class Worker:
                 ):
                     torch.cuda._sleep(HOLD_CYCLES)  # on the current stream, which the copy waits for
                     (x := issue()).wait(timeout_s=WAIT_S)
-                    device_s.append(x.device_seconds())
+                    x.event.synchronize()
+                    device_s.append(x.start_event.elapsed_time(x.event) * 1e-3)
             finally:
                 agent.time_transfers = False
         start = time.perf_counter()
@@ -272,7 +273,7 @@ class Worker:
     def breakdown(self, name: str, variant: dict[str, Any]) -> dict[str, Any]:
         """Where the host time of one cuda_ipc read goes: each step of the issue path timed alone."""
         from moriio_ray.transfer import cuda_driver, cuda_methods
-        from moriio_ray.transfer.base import as_segments, check_bounds
+        from moriio_ray.transfer.plan import Copy, TransferPlan
 
         b, c = self.backends["cuda_ipc"], case(name)
         agent, mem, peer_mem, lo, ro, sz = b.agent, b.mem, b.peer_mem, c.d_off, c.p_off, c.sizes
@@ -297,9 +298,9 @@ class Worker:
         out["wait_after_issue_us"] = _us(waits)
 
         def checks() -> None:
-            a, r, s = as_segments(lo, ro, sz)
-            check_bounds(a, s, mem.num_bytes, "local", "x")
-            check_bounds(r, s, peer_mem.num_bytes, "remote", "y")
+            plan = TransferPlan(lo, ro, sz)
+            plan.check_local(mem.num_bytes, "x")
+            plan.check_remote(peer_mem.num_bytes, "y")
 
         cfg, seg = agent.config.cuda_ipc, cuda_methods.describe(sz)
         out["base_checks_us"] = _time(checks)
@@ -322,12 +323,12 @@ class Worker:
                 cuda_driver.stream_wait(lane.handle, lane.order)
 
             out["stream_order_us"] = _time(order)
-            out["stage_metadata_us"] = _time(lambda: lane.copier._stage(ro, lo, sz, seg), drain=sync)
+            out["stage_metadata_us"] = _time(lambda: lane.copier._stage(Copy(ro, lo, sz), seg), drain=sync)
             out["stage_and_launch_us"] = _time(
-                lambda: lane.copier.copy(src, dst, ro, lo, sz, seg), drain=sync
+                lambda: lane.copier.copy(src, dst, Copy(ro, lo, sz), seg), drain=sync
             )
             out["copy_engine_batch_submit_us"] = _time(
-                lambda: lane.engine.copy(src, dst, ro, lo, sz, lane.handle), iters=60, drain=sync
+                lambda: lane.engine.copy(src, dst, Copy(ro, lo, sz), lane.handle), iters=60, drain=sync
             )
             out["raw_event_create_record_us"] = _time(
                 lambda: cuda_driver.RawEvent().record(lane.handle), drain=sync

@@ -443,7 +443,7 @@ def run_mode(
     import httpx
     import yaml
 
-    from moriio_ray.serve.process import ServeProcess
+    from bench.launch import ServeProcess
 
     t_start = time.monotonic()
     trace_dir = Path(tempfile.mkdtemp(prefix="mrt"))
