@@ -50,6 +50,9 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+_SERVE_CLI = "import sys; from ray.serve.scripts import cli; sys.argv[0] = 'serve'; sys.exit(cli())"
+
+
 class ServeProcess:
     """One ``serve run`` child on a copy of ``config_path`` listening on ``http_port`` (in the fast
     serve mode HAProxy gets free ports and keeps its files in the work dir: see ``serve_mode``)."""
@@ -74,15 +77,12 @@ class ServeProcess:
 
     def start(self) -> None:
         serve_bin = Path(sys.executable).with_name("serve")
+        # Ray's `serve` script beside this interpreter, else its entry point run by this interpreter
+        # (an environment whose packages sit on PYTHONPATH has no script there)
+        serve = [str(serve_bin)] if serve_bin.exists() else [sys.executable, "-c", _SERVE_CLI]
         # `env` adds the variables to the inherited environment without this process reading it.
-        cmd = [
-            "env",
-            f"RAY_TMPDIR={self.work_dir}",
-            "RAY_USAGE_STATS_ENABLED=0",
-            str(serve_bin),
-            "run",
-            str(self.config_path),
-        ]
+        cmd = ["env", f"RAY_TMPDIR={self.work_dir}", "RAY_USAGE_STATS_ENABLED=0", *serve]
+        cmd += ["run", str(self.config_path)]
         self._log = self.log_path.open("wb")
         self.proc = subprocess.Popen(
             cmd,
