@@ -19,7 +19,7 @@ import pytest
 from tests.request_trace import run_mode
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny_1p1d_cpu.yaml"
-MODES = ("read", "write", "colocated")
+MODES = ("read", "write")  # colocated (one call, unchanged): python -m tests.request_trace
 BEFORE = {"read": 4, "write": 4, "colocated": 1}
 GOAL = {"read": 2, "write": 3, "colocated": 1}
 SERVING_KINDS = {
