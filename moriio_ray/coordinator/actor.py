@@ -7,6 +7,14 @@ worker, and on a death bumps that worker's epoch, tells every peer (which fails 
 with PeerLost) and starts a replacement in the same bundle. A tensor-parallel engine is one member
 whose bundle holds all its ranks' actors (``engine_group``): they are started, pinged, killed and
 replaced together.
+
+It survives its own death: the workers and the placement group are detached and named, so they do
+not die with its process, and Ray restarts it. The restarted coordinator takes the pool back from
+what it kept in the GCS (``state``): it finds each worker by name, asks it for its descriptors,
+publishes a membership whose version continues from the last one, and replaces the workers that
+died meanwhile. Callers and workers keep serving on the membership they hold while it is down.
+Workers end themselves once the coordinator is gone for good (``WorkerCore``'s watch), so a
+pipeline whose driver died leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -24,8 +32,16 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from moriio_ray import env
 from moriio_ray.config import PipelineConfig, RoleConfig
-from moriio_ray.coordinator.engine_group import bundle, check_node_fit, check_tp_sizes, kill_all, start_ranks
+from moriio_ray.coordinator.engine_group import (
+    bundle,
+    check_node_fit,
+    check_tp_sizes,
+    kill_all,
+    rank_name,
+    start_ranks,
+)
 from moriio_ray.errors import CapacityError, DeadlineExceeded
+from moriio_ray.protocol import pool_state as state
 from moriio_ray.protocol.messages import Member, Membership, Role, WorkerInfo
 
 log = logging.getLogger(__name__)
@@ -71,6 +87,7 @@ class Coordinator:
         self._health: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._closing = False
+        self.restarts = 0  # how many times Ray restarted this coordinator (its pool taken back)
 
     # -- start ----------------------------------------------------------------------------------
 
@@ -81,7 +98,8 @@ class Coordinator:
         ``runtime.worker_start_timeout_s``) leaves nothing behind: no worker, no placement group.
         The next ``start`` tries again."""
         if self._started is None:
-            self._started = asyncio.ensure_future(self._start())
+            stored = state.load(self.config.name) if _restarted() else None
+            self._started = asyncio.ensure_future(self._recover(stored) if stored else self._start())
         started = self._started
         try:
             await asyncio.shield(started)
@@ -101,7 +119,14 @@ class Coordinator:
         kwargs: dict[str, Any] = {}
         if any(labels):
             kwargs["bundle_label_selector"] = labels
-        self.pg = placement_group(bundles, strategy=self.config.pool.placement_strategy, **kwargs)
+        # detached and named: the pool outlives this process, so that a restarted coordinator takes it back
+        self.pg = placement_group(
+            bundles,
+            strategy=self.config.pool.placement_strategy,
+            name=state.placement_group_name(self.config.name),
+            lifetime="detached",
+            **kwargs,
+        )
         timeout_s = self.config.runtime.worker_start_timeout_s
         ready, _ = await asyncio.to_thread(ray.wait, [self.pg.ready()], timeout=timeout_s)
         if not ready:
@@ -132,6 +157,7 @@ class Coordinator:
         if self.pg is not None:
             remove_placement_group(self.pg)
             self.pg = None
+        state.drop(self.config.name)
 
     def _role_slots(self) -> list[Slot]:
         pool = self.config.pool
@@ -140,6 +166,67 @@ class Coordinator:
             for i in range(getattr(pool, role).replicas):
                 slots.append(Slot(role=role, index=i, bundle_index=len(slots)))
         return slots
+
+    def _save(self) -> None:
+        """Keep what a restarted coordinator needs to take the pool back (see ``state``)."""
+        if self.pg is None or self._closing:
+            return
+        name = self.config.name
+        slots = []
+        for s in self.slots:
+            worker = state.worker_name(name, s.member.key, s.epoch) if s.member is not None else None
+            ranks = [rank_name(worker, r + 1) for r in range(len(s.ranks))] if worker else []
+            slots.append(state.StoredSlot(s.role, s.index, s.bundle_index, s.epoch, worker, ranks))
+        state.save(name, state.Stored(self.version, state.placement_group_name(name), slots))
+
+    async def _recover(self, stored: state.Stored) -> None:
+        """After a restart: take the pool back from ``stored`` (the workers that outlived us),
+        publish it at a version above the last one, and replace whoever died meanwhile."""
+        self.restarts += 1
+        self._changed = asyncio.Event()
+        self.version = stored.version
+        self.pg = ray.util.get_placement_group(stored.placement_group)
+        self.slots = [Slot(s.role, s.index, s.bundle_index, epoch=s.epoch) for s in stored.slots]
+        found = await asyncio.gather(
+            *(self._adopt(slot, s) for slot, s in zip(self.slots, stored.slots, strict=True))
+        )
+        log.warning(
+            "coordinator of %s restarted: took back %d of %d workers at version %d",
+            self.config.name,
+            sum(found),
+            len(self.slots),
+            self.version,
+        )
+        self._bump()
+        for slot in self.slots:
+            if slot.member is None and self.config.runtime.replace_dead_workers:
+                self._background(self._replace(slot))
+        self._health = asyncio.ensure_future(self._health_loop())
+
+    async def _adopt(self, slot: Slot, stored: state.StoredSlot) -> bool:
+        """The stored worker of ``slot`` if it still lives: its descriptors, published anew."""
+        if stored.worker is None:
+            return False
+        try:
+            actor = ray.get_actor(stored.worker, namespace=NAMESPACE)
+            ranks = [ray.get_actor(r, namespace=NAMESPACE) for r in stored.ranks]
+            info: WorkerInfo = await asyncio.wait_for(
+                actor.info.remote(), self.config.runtime.remote_timeout_s
+            )
+        except Exception as exc:  # gone while we were down: replaced below
+            log.warning("worker %s did not come back: %r", stored.worker, exc)
+            return False
+        slot.ranks = ranks
+        slot.member = Member(
+            key=info.key,
+            role=slot.role,
+            epoch=slot.epoch,
+            node_id=info.engine_desc.node_id,
+            actor=actor,
+            info_ref=ray.put(info),
+            same_host_only=info.same_host_only,
+        )
+        return True
 
     async def _spawn(self, slot: Slot) -> None:
         """Start the slot's worker at the next epoch and publish it once ready."""
@@ -153,6 +240,10 @@ class Coordinator:
             "num_gpus": rc.num_gpus,
             "max_restarts": 0,  # we replace a dead worker ourselves, at a new epoch
             "max_concurrency": 4096,
+            # outlives this process (a restarted coordinator finds it by name); shutdown ends it
+            "lifetime": "detached",
+            "name": state.worker_name(self.config.name, key, slot.epoch),
+            "namespace": NAMESPACE,
             "scheduling_strategy": PlacementGroupSchedulingStrategy(
                 placement_group=self.pg, placement_group_bundle_index=slot.bundle_index
             ),
@@ -210,6 +301,7 @@ class Coordinator:
 
     def _bump(self) -> None:
         self.version += 1
+        self._save()
         if self._changed is not None:
             self._changed.set()
             self._changed = asyncio.Event()
@@ -217,8 +309,15 @@ class Coordinator:
         for m in members:
             m.actor.update_members.remote(members)
 
+    async def _resume(self) -> None:
+        """After Ray restarted this coordinator, the first call of any caller or worker takes the
+        pool back (nobody calls ``start`` on a restart)."""
+        if self._started is None and _restarted():
+            await self.start()
+
     async def get_membership(self, since_version: int = -1, timeout_s: float = 0.0) -> Membership:
         """The membership; with ``timeout_s`` > 0, wait that long for a version above ``since_version``."""
+        await self._resume()
         if self.version <= since_version and timeout_s > 0 and self._changed is not None:
             try:
                 await asyncio.wait_for(self._changed.wait(), timeout_s)
@@ -227,6 +326,7 @@ class Coordinator:
         return Membership(version=self.version, members=self._members())
 
     async def lookup(self, key: str) -> Member | None:
+        await self._resume()
         for m in self._members():
             if m.key == key:
                 return m
@@ -234,6 +334,11 @@ class Coordinator:
 
     async def get_config(self) -> PipelineConfig:
         return self.config
+
+    async def alive(self) -> int:
+        """The membership version (the workers' check that their coordinator still exists)."""
+        await self._resume()
+        return self.version
 
     # -- liveness -------------------------------------------------------------------------------
 
@@ -301,6 +406,7 @@ class Coordinator:
     # -- stats and shutdown ---------------------------------------------------------------------
 
     async def stats(self) -> dict[str, Any]:
+        await self._resume()
         members = self._members()
         results = await asyncio.gather(
             *(asyncio.wait_for(m.actor.stats.remote(), WORKER_STATS_TIMEOUT_S) for m in members),
@@ -318,6 +424,7 @@ class Coordinator:
             "coordinator_node": ray.get_runtime_context().get_node_id(),
             "workers": workers,
             "deaths": list(self.deaths),
+            "restarts": self.restarts,
             "starting": [f"{s.role}-{s.index}" for s in self.slots if s.starting],
         }
 
@@ -337,6 +444,12 @@ class Coordinator:
         if self.pg is not None:
             remove_placement_group(self.pg)
             self.pg = None
+        state.drop(self.config.name)
+
+
+def _restarted() -> bool:
+    """Whether Ray restarted this actor (this is not its first process)."""
+    return bool(ray.get_runtime_context().was_current_actor_reconstructed)
 
 
 def get_or_create(config: PipelineConfig, *, detached: bool) -> Any:
@@ -355,7 +468,7 @@ def get_or_create(config: PipelineConfig, *, detached: bool) -> Any:
         lifetime="detached" if detached else None,
         num_cpus=0,
         max_concurrency=4096,
-        max_restarts=0,
+        max_restarts=-1,  # Ray restarts it; it takes its pool back (``_recover``)
     ).remote(config, token)
 
 

@@ -67,10 +67,17 @@ def start_ranks(
     from moriio_ray.worker.rank_actor import make_rank_actor_class  # the worker's code
 
     cls = make_rank_actor_class()
+    name = options.get("name")  # a named (detached) engine's ranks are named after it
     return [
-        cls.options(**options).remote(config, role, key, r, size, epoch=epoch, token=token)
+        cls.options(**{**options, "name": rank_name(name, r)} if name else options).remote(
+            config, role, key, r, size, epoch=epoch, token=token
+        )
         for r in range(1, size)
     ]
+
+
+def rank_name(worker: str, rank: int) -> str:
+    return f"{worker}:rank{rank}"
 
 
 def kill_all(actors: list[Any]) -> None:

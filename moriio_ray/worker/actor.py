@@ -60,6 +60,7 @@ class EngineWorker:
         )
         self._prefill: PrefillSide | None = PrefillSide(self.core) if self.role is Role.PREFILL else None
         self._decode: DecodeSide | None = DecodeSide(self.core) if self.role is Role.DECODE else None
+        self._info: WorkerInfo | None = None
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -69,7 +70,7 @@ class EngineWorker:
         await c.loop.call(c.engine.capture_graphs)
         # every rank's descriptors and KV-head range, rank 0 first (none at TP = 1)
         ranks = [c.rank0(), *(await c.group.descs())] if c.group is not None else []
-        return WorkerInfo(
+        self._info = WorkerInfo(
             key=c.key,
             role=self.role,
             epoch=c.epoch,
@@ -82,6 +83,14 @@ class EngineWorker:
             same_host_only=c.agent.same_host_only,
             ranks=ranks,
         )
+        c.watch_coordinator()
+        return self._info
+
+    async def info(self) -> WorkerInfo:
+        """What ``ready`` returned (a restarted coordinator takes this worker back with it)."""
+        if self._info is None:
+            raise InvalidRequest(f"worker {self.core.key} is not ready yet")
+        return self._info
 
     async def check_health(self) -> bool:
         """True, or raise (the coordinator then replaces this worker): when the engine loop failed,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Coroutine
 from typing import Any
@@ -30,6 +31,8 @@ from moriio_ray.worker.ranks import close_group, open_group
 from moriio_ray.worker.requests import RequestTable, WorkerRequest
 
 log = logging.getLogger(__name__)
+COORDINATOR_WATCH_S = 2.0  # how often a worker checks that its coordinator still exists
+_COORDINATOR_MISSES = 3
 
 
 class WorkerCore:
@@ -50,6 +53,8 @@ class WorkerCore:
         self.role = role
         self.key = key
         self.epoch = epoch
+        self.coordinator = coordinator
+        self.ranks = list(ranks or [])
         logging.getLogger("moriio_ray").setLevel(env.log_level())
         _prepare_device(config, role)
         if config.transfer.backend == "shm":
@@ -208,6 +213,36 @@ class WorkerCore:
         for rec in recs:
             self.spawn(self.abort(rec.request_id))
 
+    def watch_coordinator(self) -> None:
+        """Watch the coordinator from now on (once): see ``_watch_coordinator``."""
+        if self.coordinator is not None and not getattr(self, "_watching", False):
+            self._watching = True
+            self.spawn(self._watch_coordinator(), detach=True)
+
+    async def _watch_coordinator(self) -> None:
+        """End this engine's pool once its coordinator is gone for good (its driver died, or it was
+        killed without restart): the workers are detached, so nothing else would end them. A
+        coordinator that Ray restarts answers again within seconds: only calls that fail
+        ``_COORDINATOR_MISSES`` times in a row, each on a fresh call, count as gone for good."""
+        import ray
+
+        misses = 0
+        while not self._closed:
+            await asyncio.sleep(COORDINATOR_WATCH_S)
+            try:
+                await self.coordinator.alive.remote()
+                misses = 0
+            except ray.exceptions.ActorDiedError:
+                misses += 1
+                if misses >= _COORDINATOR_MISSES:
+                    break
+            except Exception:  # restarting, or slow: not gone
+                misses = 0
+        if self._closed:
+            return
+        log.error("the coordinator of %s is gone for good: ending its pool", self.config.name)
+        await asyncio.to_thread(_end_pool, self.config.name, [*self.ranks])
+
     async def _watch_callers(self) -> None:
         while not self._closed:
             await asyncio.sleep(STREAM_PERIOD_S)
@@ -277,3 +312,21 @@ def _prepare_device(config: PipelineConfig, role: Role) -> None:
     if config.engine.device == "cpu" or not torch.cuda.is_available():
         role_cfg = getattr(config.pool, role.value)
         torch.set_num_threads(max(1, int(role_cfg.num_cpus or 1)))
+
+
+def _end_pool(pipeline: str, ranks: list[Any]) -> None:
+    """Remove the pipeline's placement group (which ends every worker in it, this one too)."""
+    import ray
+    from ray.util.placement_group import get_placement_group, remove_placement_group
+
+    from moriio_ray.protocol.pool_state import drop, placement_group_name
+
+    for actor in ranks:
+        ray.kill(actor, no_restart=True)
+    try:
+        drop(pipeline)
+        remove_placement_group(get_placement_group(placement_group_name(pipeline)))
+    except Exception as exc:  # already removed by another worker of the pool
+        log.info("placement group of %s: %r", pipeline, exc)
+    time.sleep(5.0)  # the removal ends this process; should it not have, end it here
+    os._exit(0)

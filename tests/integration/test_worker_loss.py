@@ -57,7 +57,9 @@ def test_a_second_d_death_ends_the_request_and_nothing_is_replaced() -> None:
         # continued once on the other pair (from the tokens streamed), then ended by the second death
         assert isinstance(error, PeerLost), error
         assert tokens == expected[: len(tokens)] and len(tokens) >= 25
-        # nothing is replaced: no member, nothing starting, both deaths recorded at epoch 1
+        # nothing is replaced: no member, nothing starting, both deaths recorded at epoch 1 (the
+        # second death reaches the coordinator by the caller's report or its next ping: wait for it)
+        wait_until(lambda: len(deaths(pipe)) >= 2, 15, "the coordinator to record both deaths")
         stats = ray.get(pipe.coordinator.stats.remote(), timeout=60)
         assert stats["starting"] == [], stats["starting"]
         assert {(d["key"], d["epoch"]) for d in stats["deaths"]} == {(d0, 1), (d1, 1)}
