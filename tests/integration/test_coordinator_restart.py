@@ -86,17 +86,10 @@ def test_a_killed_coordinator_comes_back_and_no_request_fails() -> None:
     # nothing of the pipeline outlives its shutdown: no named worker, no placement group
     named = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if name in a["name"]]
     assert named == [], named
-    groups = [g for g in ray.util.placement_group_table().values() if g.get("name") == f"moriio_ray:{name}"]
+    assert _groups(name), "the pipeline's placement group was named"
     wait_until(
-        lambda: all(
-            g["state"] == "REMOVED"
-            for g in ray.util.placement_group_table().values()
-            if g.get("name") == f"moriio_ray:{name}"
-        ),
-        30,
-        "the placement group to be removed",
+        lambda: all(g["state"] == "REMOVED" for g in _groups(name)), 30, "its placement group's removal"
     )
-    assert groups, "the pipeline's placement group was named"
 
 
 def _connects(name: str) -> bool:
@@ -133,13 +126,7 @@ time.sleep(600)
         wait_until(lambda: not _ours(name), 60, "the orphaned workers to end themselves", poll_s=0.5)
         print(f"the workers were gone {time.monotonic() - killed_s:.1f} s after their driver died")
         wait_until(
-            lambda: all(
-                g["state"] == "REMOVED"
-                for g in ray.util.placement_group_table().values()
-                if g.get("name") == f"moriio_ray:{name}"
-            ),
-            30,
-            "the orphaned placement group to be removed",
+            lambda: all(g["state"] == "REMOVED" for g in _groups(name)), 30, "the orphaned group's removal"
         )
     finally:
         driver.kill()
@@ -148,3 +135,12 @@ time.sleep(600)
 
 def _ours(name: str) -> list[str]:
     return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if f":{name}-" in a["name"]]
+
+
+def _groups(name: str) -> list[dict[str, str]]:
+    """The pipeline's placement groups (by name), in any state."""
+    return [g for g in ray.util.placement_group_table().values() if g.get("name") == f"moriio_ray:{name}"]
+
+
+def _removed(name: str) -> bool:
+    return all(g["state"] == "REMOVED" for g in _groups(name))
