@@ -643,9 +643,10 @@ def _calls_report(
             serve[key] = serve.get(key, 0) + 1
         elif call.get("method") in STREAM_METHODS:
             streams[key] = streams.get(key, 0) + 1
-        elif key in background or key.startswith("coordinator "):
-            # the coordinator takes no part in a request: its calls (pings, membership pushes) are
-            # background even when the short idle window happened to miss them
+        elif key in background or key.startswith("coordinator ") or " -> coordinator." in key:
+            # the coordinator takes no part in a request: calls from it (pings, membership pushes)
+            # and to it (the workers' liveness checks) are background even when the short idle
+            # window happened to miss them
             left_out[key] = left_out.get(key, 0) + 1
         else:
             request[key] = request.get(key, 0) + 1

@@ -119,13 +119,15 @@ class PDPipeline:
             self.max_model_len = info.max_model_len
             self.vocab_size = info.vocab_size
 
-    def _ensure_watch(self) -> None:
-        """Long-poll the membership from the current event loop (one watcher per loop)."""
+    def _ensure_watch(self) -> bool:
+        """Long-poll the membership from the current event loop (one watcher per loop); True if
+        the watcher starts now (the membership may be as old as ``connect``)."""
         loop = asyncio.get_running_loop()
         if self._watch is not None and self._watch_loop is loop and not self._watch.done():
-            return
+            return False
         self._watch_loop = loop
         self._watch = loop.create_task(self._watch_forever())
+        return True
 
     async def _watch_forever(self) -> None:
         while True:
@@ -186,8 +188,9 @@ class PDPipeline:
 
     async def stream_request(self, req: GenRequest) -> AsyncIterator[StreamEvent]:
         """Stream a request made by ``make_request``; closing the iterator cancels it everywhere."""
-        self._ensure_watch()
-        if self.router.membership.version < 0:
+        # A caller that attached long ago and served nothing since (a new Serve replica) would
+        # route on the membership of its connect, maybe to a worker replaced meanwhile.
+        if self._ensure_watch() or self.router.membership.version < 0:
             await self._refresh()
         state = FlowState()
         text = IncrementalText(self.tokenizer, req.params.stop)

@@ -8,13 +8,10 @@ with PeerLost) and starts a replacement in the same bundle. A tensor-parallel en
 whose bundle holds all its ranks' actors (``engine_group``): they are started, pinged, killed and
 replaced together.
 
-It survives its own death: the workers and the placement group are detached and named, so they do
-not die with its process, and Ray restarts it. The restarted coordinator takes the pool back from
-what it kept in the GCS (``state``): it finds each worker by name, asks it for its descriptors,
-publishes a membership whose version continues from the last one, and replaces the workers that
-died meanwhile. Callers and workers keep serving on the membership they hold while it is down.
-Workers end themselves once the coordinator is gone for good (``WorkerCore``'s watch), so a
-pipeline whose driver died leaves nothing behind.
+It survives its own death: the workers and the placement group are detached and named, and Ray
+restarts it; it then takes the pool back (``recovery``). Callers and workers keep serving on the
+membership they hold while it is down. Workers end their pool once it is gone for good
+(``WorkerCore``'s watch), so a pipeline whose driver died leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -23,7 +20,6 @@ import asyncio
 import logging
 import secrets
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -32,14 +28,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from moriio_ray import env
 from moriio_ray.config import PipelineConfig, RoleConfig
-from moriio_ray.coordinator.engine_group import (
-    bundle,
-    check_node_fit,
-    check_tp_sizes,
-    kill_all,
-    rank_name,
-    start_ranks,
-)
+from moriio_ray.coordinator.engine_group import bundle, check_node_fit, check_tp_sizes, kill_all, start_ranks
+from moriio_ray.coordinator.recovery import Recovery, Slot
 from moriio_ray.errors import CapacityError, DeadlineExceeded
 from moriio_ray.protocol import pool_state as state
 from moriio_ray.protocol.messages import Member, Membership, Role, WorkerInfo
@@ -47,7 +37,7 @@ from moriio_ray.protocol.messages import Member, Membership, Role, WorkerInfo
 log = logging.getLogger(__name__)
 WORKER_STATS_TIMEOUT_S = 10.0  # a worker that does not answer is listed with its error
 
-NAMESPACE = "moriio_ray"
+NAMESPACE = state.NAMESPACE  # (tests and callers import it from here)
 _MISSES_TO_DEAD = 2
 
 
@@ -55,21 +45,7 @@ def coordinator_name(name: str) -> str:
     return f"coordinator:{name}"
 
 
-@dataclass
-class Slot:
-    """One engine's place in the pool: its bundle, its current worker and that worker's epoch."""
-
-    role: str
-    index: int
-    bundle_index: int
-    epoch: int = 0
-    member: Member | None = None
-    misses: int = 0
-    starting: bool = False
-    ranks: list[Any] = field(default_factory=list)  # tensor parallelism: the actors of ranks 1..
-
-
-class Coordinator:
+class Coordinator(Recovery):
     """See the module docstring. All methods are async; the actor runs them on one event loop."""
 
     def __init__(self, config: PipelineConfig, token: bytes | None = None) -> None:
@@ -166,67 +142,6 @@ class Coordinator:
             for i in range(getattr(pool, role).replicas):
                 slots.append(Slot(role=role, index=i, bundle_index=len(slots)))
         return slots
-
-    def _save(self) -> None:
-        """Keep what a restarted coordinator needs to take the pool back (see ``state``)."""
-        if self.pg is None or self._closing:
-            return
-        name = self.config.name
-        slots = []
-        for s in self.slots:
-            worker = state.worker_name(name, s.member.key, s.epoch) if s.member is not None else None
-            ranks = [rank_name(worker, r + 1) for r in range(len(s.ranks))] if worker else []
-            slots.append(state.StoredSlot(s.role, s.index, s.bundle_index, s.epoch, worker, ranks))
-        state.save(name, state.Stored(self.version, state.placement_group_name(name), slots))
-
-    async def _recover(self, stored: state.Stored) -> None:
-        """After a restart: take the pool back from ``stored`` (the workers that outlived us),
-        publish it at a version above the last one, and replace whoever died meanwhile."""
-        self.restarts += 1
-        self._changed = asyncio.Event()
-        self.version = stored.version
-        self.pg = ray.util.get_placement_group(stored.placement_group)
-        self.slots = [Slot(s.role, s.index, s.bundle_index, epoch=s.epoch) for s in stored.slots]
-        found = await asyncio.gather(
-            *(self._adopt(slot, s) for slot, s in zip(self.slots, stored.slots, strict=True))
-        )
-        log.warning(
-            "coordinator of %s restarted: took back %d of %d workers at version %d",
-            self.config.name,
-            sum(found),
-            len(self.slots),
-            self.version,
-        )
-        self._bump()
-        for slot in self.slots:
-            if slot.member is None and self.config.runtime.replace_dead_workers:
-                self._background(self._replace(slot))
-        self._health = asyncio.ensure_future(self._health_loop())
-
-    async def _adopt(self, slot: Slot, stored: state.StoredSlot) -> bool:
-        """The stored worker of ``slot`` if it still lives: its descriptors, published anew."""
-        if stored.worker is None:
-            return False
-        try:
-            actor = ray.get_actor(stored.worker, namespace=NAMESPACE)
-            ranks = [ray.get_actor(r, namespace=NAMESPACE) for r in stored.ranks]
-            info: WorkerInfo = await asyncio.wait_for(
-                actor.info.remote(), self.config.runtime.remote_timeout_s
-            )
-        except Exception as exc:  # gone while we were down: replaced below
-            log.warning("worker %s did not come back: %r", stored.worker, exc)
-            return False
-        slot.ranks = ranks
-        slot.member = Member(
-            key=info.key,
-            role=slot.role,
-            epoch=slot.epoch,
-            node_id=info.engine_desc.node_id,
-            actor=actor,
-            info_ref=ray.put(info),
-            same_host_only=info.same_host_only,
-        )
-        return True
 
     async def _spawn(self, slot: Slot) -> None:
         """Start the slot's worker at the next epoch and publish it once ready."""

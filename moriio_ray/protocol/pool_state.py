@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import msgspec
 
-_NAMESPACE = "moriio_ray"
+NAMESPACE = "moriio_ray"  # the pipelines' actors, placement groups and GCS records
 
 
 class StoredSlot(msgspec.Struct, frozen=True):
@@ -35,20 +35,20 @@ def _key(pipeline: str) -> bytes:
 def save(pipeline: str, state: Stored) -> None:
     from ray.experimental import internal_kv  # (Ray only where it is called: this is the protocol)
 
-    internal_kv._internal_kv_put(_key(pipeline), msgspec.msgpack.encode(state), namespace=_NAMESPACE)
+    internal_kv._internal_kv_put(_key(pipeline), msgspec.msgpack.encode(state), namespace=NAMESPACE)
 
 
 def load(pipeline: str) -> Stored | None:
     from ray.experimental import internal_kv
 
-    raw = internal_kv._internal_kv_get(_key(pipeline), namespace=_NAMESPACE)
+    raw = internal_kv._internal_kv_get(_key(pipeline), namespace=NAMESPACE)
     return None if raw is None else msgspec.msgpack.decode(raw, type=Stored)
 
 
 def drop(pipeline: str) -> None:
     from ray.experimental import internal_kv
 
-    internal_kv._internal_kv_del(_key(pipeline), namespace=_NAMESPACE)
+    internal_kv._internal_kv_del(_key(pipeline), namespace=NAMESPACE)
 
 
 def worker_name(pipeline: str, key: str, epoch: int) -> str:
