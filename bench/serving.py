@@ -24,16 +24,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import collections
 import contextlib
-import copy
-import json
 import os
 import random
-import re
-import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -51,23 +45,20 @@ from bench.common import (
     ROOT,
     csv,
     describe,
-    percentile,
     pipeline_args,
     run_record,
     serve_doc,
-    set_path,
-    stats,
     write_json,
 )
-from bench.http_client import Connection, Record, drive, run_http_cell, stream_completion
+from bench.http_client import Record, drive, run_http_cell
 from bench.http_client import arrivals as poisson
+from bench.profiling import Profiler
+from bench.serving_engine import BareEngine, Load
+from bench.serving_stats import RAW_COLUMNS, TIMINGS, raw_rows, summarize
 
 SYSTEMS = ("engine", "colocated", "read", "write")
 TRANSPORTS, MODES = ("python", "http"), ("default", "fast")
 SERIES = {"colocated": "colocated", "read": "pd-read", "write": "pd-write"}
-TIMINGS = ("handoff_s", "handoff_rpc_s", "handoff_local_s", "transfer_s", "push_wait_s", "transfer_bytes")
-RAW_COLUMNS = ["index", "sent_s", "ttft_s", "tpot_s", "last_token_s", "tokens", "chunks", "status", "error"]
-Load = tuple[str, float]  # ("c", concurrency) or ("rate", requests/s)
 Cell = Callable[[list[list[int]], Load], Coroutine[Any, Any, tuple[list[Record], dict[str, Any]]]]
 
 
@@ -147,21 +138,6 @@ def prompts(
     return [[rng.randrange(256) for _ in range(n)] for n in lens]
 
 
-def shared_prefix_prompts(
-    reuse: float, length: int, groups: int, group_size: int, seed: int
-) -> list[list[int]]:
-    """``groups`` x ``group_size`` prompts of ``length`` byte tokens, the first ``reuse`` of each shared
-    within its group; round-robin over the groups."""
-    rng = random.Random(f"{seed}-{reuse}")
-    shared = int(length * reuse)
-    heads = [[rng.randrange(32, 127) for _ in range(shared)] for _ in range(groups)]
-    return [
-        head + [rng.randrange(32, 127) for _ in range(length - shared)]
-        for _ in range(group_size)
-        for head in heads
-    ]
-
-
 def cell_requests(a: argparse.Namespace, load: Load) -> int:
     return max(a.requests, a.waves * int(load[1])) if load[0] == "c" else a.requests
 
@@ -173,148 +149,7 @@ def label(load: Load) -> str:
 # -- statistics ------------------------------------------------------------------------------------
 
 
-def summarize(records: list[Record], expected_tokens: int) -> dict[str, Any]:
-    """A cell's numbers; a request that ended with another count than ``expected_tokens`` is an error.
-    ``timings``: the Python API's handoff breakdown (seconds; bytes), where the requests carried it."""
-    for r in records:
-        if r.error is None and r.status == 200 and r.num_tokens != expected_tokens:
-            r.error = f"got {r.num_tokens} tokens, expected {expected_tokens}"
-    ok = [r for r in records if r.ok]
-    tokens, chunks = sum(r.num_tokens for r in ok), sum(r.num_chunks for r in ok)
-    span_s = max((r.last_s for r in ok), default=0.0) - min((r.sent_s for r in records), default=0.0)
-    timings = {k: stats([v for r in ok if (v := (r.extra or {}).get(k)) is not None]) for k in TIMINGS}
-    return {
-        "num_requests": len(records),
-        "num_ok": len(ok),
-        "num_errors": len(records) - len(ok),
-        "errors": sorted({f"{r.status}: {r.error}" for r in records if not r.ok})[:5],
-        "output_tokens": tokens,
-        "span_s": span_s,
-        "output_tok_s": tokens / span_s if span_s > 0 else 0.0,
-        "tokens_per_chunk": tokens / chunks if chunks else None,
-        "ttft_s": stats([r.ttft_s for r in ok]),
-        "tpot_s": stats([t for r in ok if (t := r.tpot_s) is not None]),
-        "timings": {k: v for k, v in timings.items() if v["p50"] is not None},
-    }
-
-
-def raw_rows(records: list[Record]) -> list[list[Any]]:
-    """One row per request (RAW_COLUMNS), seconds from the cell's first send."""
-    t0 = min((r.sent_s for r in records), default=0.0)
-    rows: list[list[Any]] = []
-    for r in sorted(records, key=lambda r: r.index):
-        times = [
-            r.sent_s - t0,
-            r.ttft_s if r.num_tokens else None,
-            r.tpot_s,
-            r.last_s - t0 if r.num_tokens else None,
-        ]
-        rounded = [None if t is None else round(t, 6) for t in times]
-        rows.append([r.index, *rounded, r.num_tokens, r.num_chunks, r.status, r.error])
-    return rows
-
-
 # -- the systems -----------------------------------------------------------------------------------
-
-
-class BareEngine:
-    """The colocated config's engine, CUDA graphs captured, stepped in this process."""
-
-    def __init__(self, args: dict[str, Any]) -> None:
-        from moriio_ray import parse_pipeline_config
-        from moriio_ray.engine.engine import Engine
-
-        config = parse_pipeline_config(args)
-        t0 = time.perf_counter()
-        self.engine: Any = Engine(config.model, config.engine, role="colocated", cuda_graphs=True)
-        self.engine.capture_graphs()  # as every GPU worker does before serving
-        self.build_s, self.count = time.perf_counter() - t0, 0
-
-    def _add(self, prompt: list[int], params: Any) -> str:
-        self.count += 1
-        self.engine.add_request(f"bench-{self.count}", prompt, params)
-        return f"bench-{self.count}"
-
-    def run(self, prompts: list[list[int]], load: Load, output_tokens: int, timeout_s: float) -> list[Record]:
-        """Closed loop, or open loop at Poisson arrivals; each step's tokens stamped when it returns."""
-        from moriio_ray.engine.sampling import SamplingParams
-
-        params = SamplingParams(max_tokens=output_tokens, ignore_eos=True, temperature=0.0)
-        at_s = poisson(len(prompts), load[1], 0) if load[0] == "rate" else None
-        todo, inflight, records = list(enumerate(prompts))[::-1], dict[str, Record](), list[Record]()
-        t0 = time.perf_counter()
-        while todo or inflight:
-            while todo and (
-                len(inflight) < load[1] if at_s is None else at_s[todo[-1][0]] <= time.perf_counter() - t0
-            ):
-                index, prompt = todo.pop()
-                inflight[self._add(prompt, params)] = Record(
-                    index=index, sent_s=time.perf_counter(), status=200
-                )
-            if not inflight:
-                assert at_s is not None
-                time.sleep(max(0.0, at_s[todo[-1][0]] - (time.perf_counter() - t0)))
-                continue
-            outs = self.engine.step()
-            now = time.perf_counter()  # the step returned its tokens on the host: the device is done
-            for out in outs:
-                if (rec := inflight.get(out.request_id)) is not None and out.new_token_ids:
-                    rec.add_tokens(now, len(out.new_token_ids))
-                if rec is not None and out.finished:
-                    rec.done_s = now
-                    records.append(inflight.pop(out.request_id))
-            if inflight and now - (oldest := next(iter(inflight.values()))).sent_s > timeout_s:
-                rid = next(iter(inflight))
-                self.engine.abort(rid)
-                oldest.error, oldest.done_s = f"not finished within {timeout_s} s", now
-                records.append(inflight.pop(rid))
-        return records
-
-    def decode_only(self, batch: int, prompt_len: int, steps: int) -> dict[str, Any]:
-        """Decode tok/s at a full batch: ``batch`` prompts prefilled (untimed), then only the steps in
-        which every one of them decodes a token are timed (median of 3)."""
-        from moriio_ray.engine.sampling import SamplingParams
-
-        params = SamplingParams(max_tokens=steps + 2, ignore_eos=True, temperature=0.0)
-        rates = []
-        for r in range(3):
-            started: set[str] = set()  # requests past their prefill
-            for i in range(batch):
-                self._add([(i * 7 + j + r) % 256 for j in range(prompt_len)], params)
-            decode_s, tokens, done = 0.0, 0, 0
-            while self.engine.has_work():
-                t0 = time.perf_counter()
-                outs = self.engine.step()
-                step_s = time.perf_counter() - t0
-                ids = {o.request_id for o in outs}
-                if (
-                    len(ids) == batch
-                    and ids <= started
-                    and not any(o.finished for o in outs)
-                    and done < steps
-                ):
-                    decode_s, done = decode_s + step_s, done + 1
-                    tokens += sum(len(o.new_token_ids) for o in outs)
-                started |= ids
-            rates.append(tokens / decode_s if decode_s else 0.0)
-        return {
-            "batch": batch,
-            "prompt_len": prompt_len,
-            "decode_tok_s": percentile(rates, 0.5),
-            "runs": rates,
-        }
-
-    def close(self) -> None:
-        """Free the engine's memory, so that the pipelines' engines find the device empty."""
-        import gc
-
-        import torch
-
-        device, self.engine = str(self.engine.device), None
-        gc.collect()
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
 
 
 def python_cell(pipe: Any, a: argparse.Namespace, keep_tokens: bool = False) -> Cell:
@@ -369,65 +204,6 @@ def http_cell(base_url: str, a: argparse.Namespace) -> Cell:
 
 
 # -- profiles --------------------------------------------------------------------------------------
-
-
-def actor_processes() -> list[tuple[int, str]]:
-    """(pid, title) of the Ray actor processes below this one (a ``serve run`` child's included)."""
-    children: dict[int, list[int]] = collections.defaultdict(list)
-    for entry in Path("/proc").iterdir():
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            children[parent].append(int(entry.name))
-    found, todo = [], list(children[os.getpid()])
-    while todo:
-        pid = todo.pop()
-        todo += children[pid]
-        with contextlib.suppress(OSError):
-            title = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
-            if title.startswith("ray::") and not title.startswith("ray::IDLE"):
-                found.append((pid, re.sub(r"[^A-Za-z0-9_.-]+", "_", title[5:])[:40]))
-    return found
-
-
-class Profiler:
-    """``py-spy record --gil`` on this process and every actor process below it, until ``stop``."""
-
-    def __init__(self, out: Path, name: str, rate: int) -> None:
-        spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
-        if not Path(spy).exists():
-            raise RuntimeError("--profile needs py-spy (pip install py-spy)")
-        out.mkdir(parents=True, exist_ok=True)
-        self.procs: dict[str, tuple[subprocess.Popen[bytes], Path]] = {}
-        for pid, title in [(os.getpid(), "driver"), *actor_processes()]:
-            path = out / f"{re.sub(r'[^A-Za-z0-9_.-]+', '_', name)}_{title}_{pid}.txt"
-            cmd = f"{spy} record -p {pid} -r {rate} -f raw -o {path} --threads --gil --nonblocking".split()
-            log = path.with_suffix(".log").open("wb")
-            self.procs[f"{title}:{pid}"] = (subprocess.Popen(cmd, stdout=log, stderr=log), path)
-
-    def stop(self, top: int = 30) -> dict[str, Any]:
-        """Per process: GIL samples per thread and the functions holding it longest (inclusive)."""
-        out: dict[str, Any] = {}
-        for proc, _ in self.procs.values():
-            proc.send_signal(signal.SIGINT)  # py-spy writes its file on Ctrl-C
-        for key, (proc, path) in self.procs.items():
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(60)
-            if not path.exists():
-                out[key] = {"error": path.with_suffix(".log").read_text(errors="replace")[-300:]}
-                continue
-            threads: collections.Counter[str] = collections.Counter()
-            funcs: collections.Counter[tuple[str, str]] = collections.Counter()
-            for line in path.read_text().splitlines():
-                stack, _, count = line.rpartition(" ")
-                frames = stack.split(";")
-                thread, n = frames[0].split(":")[-1].strip(), int(count or 0)
-                threads[thread] += n
-                for fn in dict.fromkeys(f.split(" (")[0] for f in frames[1:]):
-                    if fn not in ("Thread._bootstrap", "Thread._bootstrap_inner", "Thread.run", "<module>"):
-                        funcs[(thread, fn)] += n
-            out[key] = {"samples": sum(threads.values()), "threads": dict(threads.most_common())}
-            out[key]["top"] = [[t, f, n] for (t, f), n in funcs.most_common(top)]
-        return out
 
 
 # -- the run ---------------------------------------------------------------------------------------
@@ -558,144 +334,6 @@ async def _sync(records: list[Record]) -> tuple[list[Record], dict[str, Any]]:
     return records, {}
 
 
-def shared_prefix(a: argparse.Namespace, report: dict[str, Any], work: Path) -> None:
-    """Per system, a cache-off and a cache-on pipeline side by side, their cells alternating
-    (--repeats rounds, fresh prompts each), so that a change in the host's load meets both."""
-    from moriio_ray import PDPipeline
-
-    length, c = a.prompt_lens[0], a.concurrency[0]
-    # room for every request in flight and a few groups' prefixes
-    room = [f"engine.num_blocks={(-(-length // 16) + 4) * (c + 8)}", f"model.max_model_len={length + 256}"]
-    start_ray(a)
-
-    def cache_totals(pipe: Any) -> dict[str, int]:
-        keys = ("num_hit_tokens", "num_queried_tokens")
-        return {
-            f"{k}_{w['role']}": w["prefix_cache"][k] for w in pipe.stats()["workers"].values() for k in keys
-        }
-
-    for system in [s for s in ("read", "write", "colocated") if s in a.systems]:
-        sets = lambda on, system=system: [
-            *room,
-            f"name=prefix-{system}-{on}",
-            f"engine.enable_prefix_caching={on}",
-        ]
-        pipes = {
-            on: PDPipeline.launch(system_args(a, system, a.backends[0], *sets(on))) for on in (False, True)
-        }
-        try:
-            runs: dict[tuple[bool, float], list[tuple[list[Record], float, dict[str, int]]]] = {}
-            for pipe in pipes.values():  # a warm-up, unrecorded
-                asyncio.run(
-                    python_cell(pipe, a)(shared_prefix_prompts(0.0, length, 2, 1, a.seed - 1), ("c", c))
-                )
-            for round_ in range(a.repeats):
-                for reuse in a.reuse:
-                    batch = shared_prefix_prompts(reuse, length, a.groups, a.group_size, a.seed + round_)
-                    for on, pipe in pipes.items():
-                        before, t0 = cache_totals(pipe), time.perf_counter()
-                        records, _ = asyncio.run(python_cell(pipe, a, keep_tokens=True)(batch, ("c", c)))
-                        wall_s, after = time.perf_counter() - t0, cache_totals(pipe)
-                        delta = {k: after[k] - before[k] for k in after}
-                        runs.setdefault((on, reuse), []).append((records, wall_s, delta))
-            for (on, reuse), cells in runs.items():
-                report["cells"].append(prefix_cell(SERIES[system], on, reuse, cells))
-                print(rep.prefix_line(report["cells"][-1]), flush=True)
-        finally:
-            for pipe in pipes.values():
-                pipe.shutdown()
-    off = {(x["series"], x["reuse"]): x["tokens"] for x in report["cells"] if not x["cache"]}
-    for cell in report["cells"]:  # greedy tokens: the cache must not change one
-        cell["tokens_equal_cache_off"] = cell.pop("tokens") == off[(cell["series"], cell["reuse"])]
-
-
-def prefix_cell(
-    series: str, on: bool, reuse: float, runs: list[tuple[list[Record], float, dict[str, int]]]
-) -> dict[str, Any]:
-    records = [r for rs, _, _ in runs for r in sorted(rs, key=lambda r: r.index)]
-    ok, wall_s = [r for r in records if r.ok], sum(w for _, w, _ in runs)
-    extra = lambda key: [float((r.extra or {}).get(key) or 0) for r in ok]
-
-    def rate(role: str) -> float:
-        queried = sum(d[f"num_queried_tokens_{role}"] for _, _, d in runs)
-        return sum(d[f"num_hit_tokens_{role}"] for _, _, d in runs) / queried if queried else 0.0
-
-    out = {"series": series, "cache": on, "reuse": reuse, "num_requests": len(records), "wall_s": wall_s}
-    out |= {"num_errors": len(records) - len(ok), "ttft_s": stats([r.ttft_s for r in ok])}
-    out |= {
-        "output_tok_s": sum(r.num_tokens for r in ok) / wall_s,
-        "transfer_bytes": stats(extra("transfer_bytes")),
-    }
-    out |= {
-        "cached_tokens_per_request": stats(extra("cached_tokens"))["mean"],
-        "hit_rate_prefill": rate("prefill"),
-    }
-    return out | {
-        "hit_rate_decode": rate("decode"),
-        "tokens": [(r.extra or {}).get("token_ids") for r in records],
-    }
-
-
-def n_choices(a: argparse.Namespace, report: dict[str, Any], work: Path) -> None:
-    """Per round, each with a fresh prompt: one request (n = 1), one of --n choices, and --n requests
-    of one prompt at once; TTFT to the first SSE event with a token (the last of the --n requests');
-    ``computed``: the prompt tokens P computed for the cell (looked up less found, from /stats)."""
-    from bench.launch import ServeProcess
-
-    length, rng = a.prompt_lens[0], random.Random(a.seed)
-    doc = serve_doc(a.config)
-    args = copy.deepcopy(doc["applications"][0]["args"])
-    for assignment in [
-        "name=n-choices",
-        f"model.max_model_len={length + 64}",
-        "engine.enable_prefix_caching=true",
-        *a.set,
-    ]:
-        set_path(args, assignment)
-    path = work / "n_choices.yaml"
-    doc["applications"][0]["args"] = args
-    path.write_text(yaml.safe_dump(doc, sort_keys=False))
-    with ServeProcess(path) as server:
-
-        def computed() -> int:
-            _, body = server.get("/stats")
-            cache = next(w["prefix_cache"] for w in body["workers"].values() if w["role"] == "prefill")
-            return int(cache["num_queried_tokens"] - cache["num_hit_tokens"])
-
-        async def ttft(prompt: list[int], n: int, seed: int) -> float:
-            body = dict(prompt=prompt, max_tokens=4, temperature=1.0, seed=seed, n=n, stream=True, logprobs=0)
-            body["ignore_eos"] = True
-            conn = Connection("127.0.0.1", server.http_port)
-            rec = await stream_completion(conn, "/v1/completions", 0, json.dumps(body).encode())
-            conn.close()
-            if not rec.ok:
-                raise RuntimeError(f"HTTP {rec.status}: {rec.error}")
-            return rec.ttft_s
-
-        async def cell(kind: str, prompt: list[int], seed: int) -> dict[str, float]:
-            before = computed()
-            if kind == "separate":
-                value = max(await asyncio.gather(*(ttft(prompt, 1, seed + i) for i in range(a.n))))
-            else:
-                value = await ttft(prompt, a.n if kind == "n" else 1, seed)
-            return {"ttft_s": value, "computed": computed() - before}
-
-        def fresh() -> list[int]:
-            return [rng.randrange(32, 127) for _ in range(length)]
-
-        asyncio.run(cell("single", fresh(), 0))  # warm-up
-        for r in range(a.rounds):
-            for kind in (
-                "single",
-                "n",
-                "separate",
-            ):  # a fresh prompt per cell: nothing of it is cached before
-                report["cells"].append(
-                    {"series": kind, "round": r, **asyncio.run(cell(kind, fresh(), 1000 * r))}
-                )
-                print(f"round {r + 1}/{a.rounds}: {report['cells'][-1]}", flush=True)
-
-
 def main() -> None:
     p = parser()
     a = p.parse_args()
@@ -719,6 +357,8 @@ def main() -> None:
     t0 = time.perf_counter()
     try:
         with tempfile.TemporaryDirectory(prefix="msb") as tmp:
+            from bench.serving_workloads import n_choices, shared_prefix  # (they build on this module)
+
             run = {"random": random_workload, "shared-prefix": shared_prefix, "n-choices": n_choices}[
                 a.workload
             ]

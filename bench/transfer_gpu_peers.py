@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from bench.transfer_gpu_worker import Case
+from bench.transfer_gpu_cases import Case
 
 PEER_ENV: dict[str, dict[str, str]] = {
     "nixl": {

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.serving import shared_prefix_prompts as prompts_for
+from bench.serving_workloads import shared_prefix_prompts as prompts_for
 
 
 @pytest.mark.timeout(10)

@@ -14,21 +14,18 @@ import pytest
 
 from bench.common import percentile, pipeline_args, serve_doc, set_path, stats
 from bench.http_client import (
-    ChunkedDecoder,
     Connection,
-    ProtocolError,
     Record,
-    SSEParser,
     arrivals,
     assign,
     drive,
-    read_event,
     split_concurrency,
     stream_completion,
-    tokens_in_event,
 )
+from bench.http_wire import ChunkedDecoder, ProtocolError, SSEParser, read_event, tokens_in_event
 from bench.report import goals, markdown, render
-from bench.serving import cell_requests, label, prompts, raw_rows, summarize
+from bench.serving import cell_requests, label, prompts
+from bench.serving_stats import raw_rows, summarize
 from moriio_ray import parse_pipeline_config
 
 ROOT = Path(__file__).resolve().parents[2]
