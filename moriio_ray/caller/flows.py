@@ -165,14 +165,10 @@ class Flows:
                 return self.router.pick_prefill_for(d, exclude=state.dead)
 
             to, caller = _ref(d), streams.caller_id
-            if read:
-                result, _p = await self._prefill(
-                    req, state, pick, lambda p: p.actor.prefill.remote(req, to, caller), asked
-                )
-            else:
-                result, _p = await self._prefill(
-                    req, state, pick, lambda p: p.actor.prefill_push.remote(req, to, caller), asked
-                )
+            method = "prefill" if read else "prefill_push"  # WRITE: P reserves on D itself
+            result, _p = await self._prefill(
+                req, state, pick, lambda p: getattr(p.actor, method).remote(req, to, caller), asked
+            )
             state.timings.prefill_s = result.prefill_s
             state.timings.cached_tokens = result.num_cached_tokens
             state.prefill_done_unix = result.prefill_done_unix

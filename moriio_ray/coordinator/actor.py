@@ -64,6 +64,7 @@ class Coordinator(Recovery):
         self._tasks: set[asyncio.Task[Any]] = set()
         self._closing = False
         self.restarts = 0  # how many times Ray restarted this coordinator (its pool taken back)
+        self._restarted = _restarted()  # this process is a restart: its pool is to be taken back
 
     # -- start ----------------------------------------------------------------------------------
 
@@ -74,7 +75,7 @@ class Coordinator(Recovery):
         ``runtime.worker_start_timeout_s``) leaves nothing behind: no worker, no placement group.
         The next ``start`` tries again."""
         if self._started is None:
-            stored = state.load(self.config.name) if _restarted() else None
+            stored = state.load(self.config.name) if self._restarted else None
             self._started = asyncio.ensure_future(self._recover(stored) if stored else self._start())
         started = self._started
         try:
@@ -227,7 +228,7 @@ class Coordinator(Recovery):
     async def _resume(self) -> None:
         """After Ray restarted this coordinator, the first call of any caller or worker takes the
         pool back (nobody calls ``start`` on a restart)."""
-        if self._started is None and _restarted():
+        if self._started is None and self._restarted:
             await self.start()
 
     async def get_membership(self, since_version: int = -1, timeout_s: float = 0.0) -> Membership:

@@ -102,6 +102,7 @@ class WorkerCore:
         # engine ids whose blocks a late transfer may still write
         self.quarantine = Quarantine(self._free, self.spawn)
         self._closed = False
+        self._watching = False  # the coordinator's watch runs (``watch_coordinator``)
 
     @property
     def loop(self) -> EngineLoop:
@@ -215,7 +216,7 @@ class WorkerCore:
 
     def watch_coordinator(self) -> None:
         """Watch the coordinator from now on (once): see ``_watch_coordinator``."""
-        if self.coordinator is not None and not getattr(self, "_watching", False):
+        if self.coordinator is not None and not self._watching:
             self._watching = True
             self.spawn(self._watch_coordinator(), detach=True)
 

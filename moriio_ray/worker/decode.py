@@ -132,19 +132,20 @@ class DecodeSide:
         task.add_done_callback(lambda _t: self._ended(rec, task, lease))
         await asyncio.shield(lease.freed)
 
-    def _ended(self, rec: WorkerRequest, task: asyncio.Task[None], lease: _Lease) -> None:
-        """A task cancelled before it ran never reached its own clean-up: do it here."""
-        if rec.task is task:
-            rec.task = None
+    def _ended(self, rec: WorkerRequest, task: asyncio.Task[bool], lease: _Lease) -> None:
+        """The request's task has ended (also one cancelled before it ran, which never entered
+        its body): forget a request that does not decode, and free P's lease unless a read still
+        in flight holds it."""
+        rec.task = None
+        if task.cancelled() or not task.result():
             self.core.discard(rec)
         if not lease.held:
             lease.free()
 
     async def _run(
         self, rec: WorkerRequest, req: GenRequest, source: Handoff, handoff_unix: float, lease: _Lease
-    ) -> None:
-        c = self.core
-        started = False
+    ) -> bool:
+        """True once the request decodes; its clean-up is ``_ended``'s."""
         try:
             rec.check_cancelled()
             if isinstance(source, KVHandle):
@@ -152,17 +153,12 @@ class DecodeSide:
             else:
                 rec.reservation = None
                 await self._start(rec, source.first_token, DecodeStart(handoff_unix=handoff_unix))
-            started = True
+            return True
         except asyncio.CancelledError:
-            pass  # the caller aborted: nobody reads the stream
+            return False  # the caller aborted: nobody reads the stream
         except BaseException as exc:  # the caller hears it on its stream
-            c.fail(rec, exc)
-        finally:
-            rec.task = None
-            if not lease.held:
-                lease.free()
-            if not started:
-                c.discard(rec)
+            self.core.fail(rec, exc)
+            return False
 
     async def _pull(
         self, rec: WorkerRequest, req: GenRequest, h: KVHandle, handoff_unix: float, lease: _Lease
