@@ -40,7 +40,8 @@ from moriio_ray.engine.sampling import MAX_TOKENS_CAP, SamplingParams
 from moriio_ray.engine.tokenizer import load_tokenizer
 from moriio_ray.errors import ConfigError, InvalidRequest
 from moriio_ray.protocol.deadline import deadline
-from moriio_ray.protocol.messages import GenRequest, Timings
+from moriio_ray.protocol.membership import MembershipWatch
+from moriio_ray.protocol.messages import GenRequest, Membership, Timings
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +59,9 @@ class PDPipeline:
         self.max_model_len = 0  # from the workers (0: not known yet)
         self.vocab_size = 0  # the model's, from the workers (0: not known yet)
         self._bg: BackgroundLoop | None = None
-        self._watch: asyncio.Task[None] | None = None
-        self._watch_loop: asyncio.AbstractEventLoop | None = None
+        self.watch = MembershipWatch(
+            coordinator, self.router, config.runtime.remote_timeout_s, self._learn_model
+        )
         # one set of output streams per event loop (their pumps and queues belong to it)
         self._streams: dict[asyncio.AbstractEventLoop, OutputStreams] = {}
 
@@ -104,40 +106,18 @@ class PDPipeline:
     # -- membership -----------------------------------------------------------------------------
 
     async def _refresh(self, timeout_s: float = 0.0) -> None:
-        """Take the coordinator's membership (a long poll of up to ``timeout_s`` for a newer one);
-        DeadlineExceeded if the coordinator does not answer within that plus remote_timeout_s."""
+        await self.watch.refresh(timeout_s)
+
+    async def _learn_model(self, _answer: Membership) -> None:
+        """The model's length and vocabulary, from the first worker's descriptors (once)."""
+        membership = self.router.membership
+        if self.max_model_len or not membership.members:
+            return
+        first = membership.members[0]
         limit_s = self.config.runtime.remote_timeout_s
-        membership = await deadline(
-            self.coordinator.get_membership.remote(self.router.membership.version, timeout_s),
-            timeout_s + limit_s,
-            "the coordinator's membership",
-        )
-        self.router.update(membership)
-        if not self.max_model_len and membership.members:
-            first = membership.members[0]
-            info = await deadline(first.info_ref, limit_s, f"the descriptors of {first.key}")
-            self.max_model_len = info.max_model_len
-            self.vocab_size = info.vocab_size
-
-    def _ensure_watch(self) -> bool:
-        """Long-poll the membership from the current event loop (one watcher per loop); True if
-        the watcher starts now (the membership may be as old as ``connect``)."""
-        loop = asyncio.get_running_loop()
-        if self._watch is not None and self._watch_loop is loop and not self._watch.done():
-            return False
-        self._watch_loop = loop
-        self._watch = loop.create_task(self._watch_forever())
-        return True
-
-    async def _watch_forever(self) -> None:
-        while True:
-            try:
-                await self._refresh(timeout_s=5.0)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # coordinator restarting or gone: back off, keep the old view
-                log.warning("membership refresh failed: %r", exc)
-                await asyncio.sleep(1.0)
+        info = await deadline(first.info_ref, limit_s, f"the descriptors of {first.key}")
+        self.max_model_len = info.max_model_len
+        self.vocab_size = info.vocab_size
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -190,7 +170,7 @@ class PDPipeline:
         """Stream a request made by ``make_request``; closing the iterator cancels it everywhere."""
         # A caller that attached long ago and served nothing since (a new Serve replica) would
         # route on the membership of its connect, maybe to a worker replaced meanwhile.
-        if self._ensure_watch() or self.router.membership.version < 0:
+        if self.watch.ensure() or self.router.membership.version < 0:
             await self._refresh()
         state = FlowState()
         text = IncrementalText(self.tokenizer, req.params.stop)
@@ -336,8 +316,7 @@ class PDPipeline:
 
     def shutdown(self) -> None:
         """Stop every worker and the coordinator."""
-        if self._watch is not None and self._watch_loop is not None and not self._watch_loop.is_closed():
-            self._watch_loop.call_soon_threadsafe(self._watch.cancel)
+        self.watch.stop()
         for loop, streams in self._streams.items():
             if not loop.is_closed():
                 loop.call_soon_threadsafe(streams.close)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-import time
+from collections.abc import Sequence
 from typing import Any
 
 import ray
@@ -28,7 +28,9 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from moriio_ray import env
 from moriio_ray.config import PipelineConfig, RoleConfig
+from moriio_ray.coordinator.changes import ChangeLog
 from moriio_ray.coordinator.engine_group import bundle, check_node_fit, check_tp_sizes, kill_all, start_ranks
+from moriio_ray.coordinator.liveness import Liveness
 from moriio_ray.coordinator.recovery import Recovery, Slot
 from moriio_ray.errors import CapacityError, DeadlineExceeded
 from moriio_ray.protocol import pool_state as state
@@ -38,14 +40,13 @@ log = logging.getLogger(__name__)
 WORKER_STATS_TIMEOUT_S = 10.0  # a worker that does not answer is listed with its error
 
 NAMESPACE = state.NAMESPACE  # (tests and callers import it from here)
-_MISSES_TO_DEAD = 2
 
 
 def coordinator_name(name: str) -> str:
     return f"coordinator:{name}"
 
 
-class Coordinator(Recovery):
+class Coordinator(Liveness, Recovery):
     """See the module docstring. All methods are async; the actor runs them on one event loop."""
 
     def __init__(self, config: PipelineConfig, token: bytes | None = None) -> None:
@@ -59,6 +60,7 @@ class Coordinator(Recovery):
         self.pg: PlacementGroup | None = None
         self.deaths: list[dict[str, Any]] = []
         self._changed: asyncio.Event | None = None
+        self.changes = ChangeLog()
         self._started: asyncio.Task[None] | None = None
         self._health: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -89,6 +91,19 @@ class Coordinator(Recovery):
     async def _start(self) -> None:
         self._changed = asyncio.Event()
         roles = self._role_slots()
+        await self._place(roles)
+        self.slots = roles
+        # every slot's start ends (each bounded by worker_start_timeout_s) before a failure is
+        # cleaned up, so that no worker is published after the pool was released
+        results = await asyncio.gather(*(self._spawn(slot) for slot in self.slots), return_exceptions=True)
+        failure = next((r for r in results if isinstance(r, BaseException)), None)
+        if failure is not None:
+            self._release_pool()
+            raise failure
+        self._health = asyncio.ensure_future(self._health_loop())
+
+    async def _place(self, roles: list[Slot]) -> None:
+        """Reserve the pool's placement group: one bundle per engine (CapacityError if it cannot)."""
         check_tp_sizes(self.config)
         check_node_fit(self.config.pool, ray.nodes())
         bundles = [bundle(getattr(self.config.pool, s.role)) for s in roles]
@@ -113,22 +128,11 @@ class Coordinator(Recovery):
                 f"{self.config.pool.placement_strategy}) could not be scheduled within {timeout_s} s; "
                 f"the cluster has {ray.available_resources()}"
             )
-        self.slots = roles
-        # every slot's start ends (each bounded by worker_start_timeout_s) before a failure is
-        # cleaned up, so that no worker is published after the pool was released
-        results = await asyncio.gather(*(self._spawn(slot) for slot in self.slots), return_exceptions=True)
-        failure = next((r for r in results if isinstance(r, BaseException)), None)
-        if failure is not None:
-            self._release_pool()
-            raise failure
-        self._health = asyncio.ensure_future(self._health_loop())
 
     def _release_pool(self) -> None:
         """Kill every worker of the pool and give its placement group back (a failed start)."""
         for slot in self.slots:
-            if slot.member is not None:
-                kill_all([slot.member.actor])
-            kill_all(slot.ranks)
+            self._kill([slot.member.actor] if slot.member is not None else [], slot.ranks)
             slot.member, slot.ranks = None, []
         self.slots = []
         if self.pg is not None:
@@ -149,6 +153,26 @@ class Coordinator(Recovery):
         slot.starting = True
         slot.epoch += 1
         key = f"{self.config.name}-{slot.role}-{slot.index}"
+        try:
+            actor, ranks, info = await self._start_worker(slot, key)
+        finally:
+            slot.starting = False
+        slot.ranks = ranks
+        slot.member = Member(
+            key=key,
+            role=slot.role,
+            epoch=slot.epoch,
+            node_id=info.engine_desc.node_id,
+            actor=actor,
+            info_ref=ray.put(info),  # owned by the coordinator: lives as long as it does
+            same_host_only=info.same_host_only,
+        )
+        slot.misses = 0
+        self._bump(upserts=[slot.member])
+
+    async def _start_worker(self, slot: Slot, key: str) -> tuple[Any, list[Any], WorkerInfo]:
+        """The slot's worker actor (and its rank actors) in its bundle, once ready, with its
+        descriptors; nothing is left running when it fails."""
         rc: RoleConfig = getattr(self.config.pool, slot.role)
         assert self.pg is not None
         options: dict[str, Any] = {
@@ -186,44 +210,34 @@ class Coordinator(Recovery):
                 actor.ready.remote(), self.config.runtime.worker_start_timeout_s
             )
         except asyncio.TimeoutError:
-            kill_all([actor, *ranks])
-            slot.starting = False
+            self._kill([actor], ranks)
             raise DeadlineExceeded(
                 f"runtime.worker_start_timeout_s: worker {key} was not ready within "
                 f"{self.config.runtime.worker_start_timeout_s} s"
             ) from None
         except BaseException:
-            kill_all([actor, *ranks])
-            slot.starting = False
+            self._kill([actor], ranks)
             raise
-        slot.ranks = ranks
-        slot.member = Member(
-            key=key,
-            role=slot.role,
-            epoch=slot.epoch,
-            node_id=info.engine_desc.node_id,
-            actor=actor,
-            info_ref=ray.put(info),  # owned by the coordinator: lives as long as it does
-            same_host_only=info.same_host_only,
-        )
-        slot.misses = 0
-        slot.starting = False
-        self._bump()
+        return actor, ranks, info
+
+    def _kill(self, workers: list[Any], ranks: list[Any]) -> None:
+        """End an engine's actors at once (its worker, then its rank actors)."""
+        kill_all([*workers, *ranks])
 
     # -- membership -----------------------------------------------------------------------------
 
     def _members(self) -> list[Member]:
         return [s.member for s in self.slots if s.member is not None]
 
-    def _bump(self) -> None:
+    def _bump(self, upserts: Sequence[Member] = (), removed: Sequence[tuple[str, int]] = ()) -> None:
+        """A new membership version: the members added or replaced, the (key, epoch) gone. Every
+        long poll (callers' routers, workers' peers) answers with the change."""
         self.version += 1
+        self.changes.record(self.version, list(upserts), list(removed))
         self._save()
         if self._changed is not None:
             self._changed.set()
             self._changed = asyncio.Event()
-        members = self._members()
-        for m in members:
-            m.actor.update_members.remote(members)
 
     async def _resume(self) -> None:
         """After Ray restarted this coordinator, the first call of any caller or worker takes the
@@ -239,14 +253,11 @@ class Coordinator(Recovery):
                 await asyncio.wait_for(self._changed.wait(), timeout_s)
             except asyncio.TimeoutError:
                 pass
-        return Membership(version=self.version, members=self._members())
+        return self.changes.answer(since_version, self.version, self._members())
 
     async def lookup(self, key: str) -> Member | None:
         await self._resume()
-        for m in self._members():
-            if m.key == key:
-                return m
-        return None
+        return next((s.member for s in self.slots if s.member is not None and s.member.key == key), None)
 
     async def get_config(self) -> PipelineConfig:
         return self.config
@@ -255,64 +266,6 @@ class Coordinator(Recovery):
         """The membership version (the workers' check that their coordinator still exists)."""
         await self._resume()
         return self.version
-
-    # -- liveness -------------------------------------------------------------------------------
-
-    async def report_failure(self, key: str, epoch: int) -> None:
-        """A caller saw ``key`` fail: check it now instead of at the next ping."""
-        for slot in self.slots:
-            if slot.member is not None and slot.member.key == key and slot.member.epoch == epoch:
-                await self._ping(slot, timeout_s=self.config.runtime.health_check_period_s)
-
-    async def _health_loop(self) -> None:
-        period_s = self.config.runtime.health_check_period_s
-        while not self._closing:
-            await asyncio.sleep(period_s)
-            live = [s for s in self.slots if s.member is not None]
-            await asyncio.gather(*(self._ping(s, timeout_s=period_s * 1.5) for s in live))
-
-    async def _ping(self, slot: Slot, *, timeout_s: float) -> None:
-        member = slot.member
-        if member is None:
-            return
-        try:
-            # every rank of the engine: a dead rank fails its whole engine
-            checks = [a.check_health.remote() for a in (member.actor, *slot.ranks)]
-            await asyncio.wait_for(asyncio.gather(*checks), timeout_s)
-            slot.misses = 0
-            return
-        except asyncio.TimeoutError:
-            slot.misses += 1
-            if slot.misses < _MISSES_TO_DEAD:
-                return
-            reason = f"no health answer for {slot.misses} pings"
-        except ray.exceptions.RayActorError as exc:
-            reason = f"actor died: {type(exc).__name__}"
-        except Exception as exc:
-            reason = f"unhealthy: {exc!r}"
-        if slot.member is member:  # not already handled by a concurrent ping
-            self._on_dead(slot, reason)
-
-    def _on_dead(self, slot: Slot, reason: str) -> None:
-        member = slot.member
-        assert member is not None
-        log.warning("worker %s epoch %d is dead (%s)", member.key, member.epoch, reason)
-        self.deaths.append({"key": member.key, "epoch": member.epoch, "reason": reason, "at": time.time()})
-        slot.member = None
-        kill_all([member.actor, *slot.ranks])
-        slot.ranks = []
-        for other in self._members():
-            other.actor.peer_lost.remote(member.key, member.epoch)
-        self._bump()
-        if self.config.runtime.replace_dead_workers and not self._closing:
-            self._background(self._replace(slot))
-
-    async def _replace(self, slot: Slot) -> None:
-        try:
-            await self._spawn(slot)
-            log.warning("replaced %s-%d at epoch %d", slot.role, slot.index, slot.epoch)
-        except Exception as exc:
-            log.error("could not replace %s-%d: %r", slot.role, slot.index, exc)
 
     def _background(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
@@ -352,10 +305,8 @@ class Coordinator(Recovery):
         await asyncio.gather(
             *(asyncio.wait_for(m.actor.shutdown.remote(), 10.0) for m in members), return_exceptions=True
         )
-        for m in members:
-            ray.kill(m.actor, no_restart=True)
+        self._kill([m.actor for m in members], [r for s in self.slots for r in s.ranks])
         for s in self.slots:
-            kill_all(s.ranks)
             s.member, s.ranks = None, []
         if self.pg is not None:
             remove_placement_group(self.pg)

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import ray
 
 from moriio_ray.config import PipelineConfig
+from moriio_ray.coordinator.changes import ChangeLog
 from moriio_ray.coordinator.engine_group import rank_name
 from moriio_ray.protocol import pool_state as state
 from moriio_ray.protocol.messages import Member, WorkerInfo
@@ -48,11 +50,12 @@ class Recovery:
     restarts: int
     _closing: bool
     _changed: asyncio.Event | None
+    changes: ChangeLog
     _health: asyncio.Task[None] | None
 
     if TYPE_CHECKING:
 
-        def _bump(self) -> None: ...
+        def _bump(self, upserts: Sequence[Member] = (), removed: Sequence[tuple[str, int]] = ()) -> None: ...
 
         def _background(self, coro: Any) -> None: ...
 
@@ -62,7 +65,7 @@ class Recovery:
 
     def _save(self) -> None:
         """Keep what a restarted coordinator needs to take the pool back (see ``state``)."""
-        if self.pg is None or self._closing:
+        if not self.slots or self._closing:
             return
         name = self.config.name
         slots = []
@@ -90,6 +93,7 @@ class Recovery:
             len(self.slots),
             self.version,
         )
+        self.changes.clear()
         self._bump()
         for slot in self.slots:
             if slot.member is None and self.config.runtime.replace_dead_workers:

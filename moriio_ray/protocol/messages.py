@@ -234,10 +234,18 @@ class Member:
 
 @dataclass
 class Membership:
-    """A versioned snapshot of the live workers."""
+    """A versioned snapshot of the live workers, or (``base_version`` >= 0) the change from version
+    ``base_version`` to ``version``: ``members`` then holds the members added or replaced, and
+    ``removed`` the (key, epoch) of those gone. ``protocol/membership.py`` applies one to the other."""
 
     version: int
     members: list[Member] = field(default_factory=list)
+    base_version: int = -1  # -1: a whole snapshot
+    removed: list[tuple[str, int]] = field(default_factory=list)
+
+    @property
+    def is_delta(self) -> bool:
+        return self.base_version >= 0
 
     def by_role(self, role: str) -> list[Member]:
         return [m for m in self.members if m.role == role]

@@ -21,7 +21,6 @@ from moriio_ray.protocol.messages import (
     GenRequest,
     Handoff,
     KVHandle,
-    Member,
     PeerRef,
     PushResult,
     RequestOutput,
@@ -106,11 +105,6 @@ class EngineWorker:
                 f"more than runtime.remote_timeout_s ({limit_s} s): it is hung"
             )
         return True
-
-    async def update_members(self, members: list[Member]) -> None:
-        """The coordinator's membership push: connect eagerly to the peers this role talks to."""
-        other = {Role.PREFILL: {Role.DECODE.value}, Role.DECODE: {Role.PREFILL.value}}
-        await self.core.peers.add_members(members, roles=other.get(self.role, set()))
 
     async def peer_lost(self, key: str, epoch: int) -> None:
         """A peer died: drop it and fail its in-flight transfers with PeerLost (P: a lease handed

@@ -26,13 +26,12 @@ from moriio_ray.transfer import create_agent
 from moriio_ray.worker.engine_loop import EngineLoop
 from moriio_ray.worker.outputs import STREAM_PERIOD_S, OutputHub
 from moriio_ray.worker.peers import PeerDirectory
+from moriio_ray.worker.pool_watch import PoolWatch
 from moriio_ray.worker.quarantine import Quarantine
 from moriio_ray.worker.ranks import close_group, open_group
 from moriio_ray.worker.requests import RequestTable, WorkerRequest
 
 log = logging.getLogger(__name__)
-COORDINATOR_WATCH_S = 2.0  # how often a worker checks that its coordinator still exists
-_COORDINATOR_MISSES = 3
 
 
 class WorkerCore:
@@ -102,7 +101,7 @@ class WorkerCore:
         # engine ids whose blocks a late transfer may still write
         self.quarantine = Quarantine(self._free, self.spawn)
         self._closed = False
-        self._watching = False  # the coordinator's watch runs (``watch_coordinator``)
+        self.pool: PoolWatch | None = None  # the membership's watch (``watch_coordinator``)
 
     @property
     def loop(self) -> EngineLoop:
@@ -215,31 +214,16 @@ class WorkerCore:
             self.spawn(self.abort(rec.request_id))
 
     def watch_coordinator(self) -> None:
-        """Watch the coordinator from now on (once): see ``_watch_coordinator``."""
-        if self.coordinator is not None and not self._watching:
-            self._watching = True
-            self.spawn(self._watch_coordinator(), detach=True)
+        """Follow the pool's membership from now on (once): see ``PoolWatch``. Ends the pool when
+        the coordinator is gone for good (its driver died, or it was killed without restart)."""
+        if self.coordinator is not None and self.pool is None:
+            self.pool = PoolWatch(
+                self.coordinator, self.peers, self.role.value, self.config.runtime.remote_timeout_s
+            )
+            self.spawn(self._watch_pool(self.pool), detach=True)
 
-    async def _watch_coordinator(self) -> None:
-        """End this engine's pool once its coordinator is gone for good (its driver died, or it was
-        killed without restart): the workers are detached, so nothing else would end them. A
-        coordinator that Ray restarts answers again within seconds: only calls that fail
-        ``_COORDINATOR_MISSES`` times in a row, each on a fresh call, count as gone for good."""
-        import ray
-
-        misses = 0
-        while not self._closed:
-            await asyncio.sleep(COORDINATOR_WATCH_S)
-            try:
-                await self.coordinator.alive.remote()
-                misses = 0
-            except ray.exceptions.ActorDiedError:
-                misses += 1
-                if misses >= _COORDINATOR_MISSES:
-                    break
-            except Exception:  # restarting, or slow: not gone
-                misses = 0
-        if self._closed:
+    async def _watch_pool(self, pool: PoolWatch) -> None:
+        if not await pool.run(lambda: self._closed):
             return
         log.error("the coordinator of %s is gone for good: ending its pool", self.config.name)
         await asyncio.to_thread(_end_pool, self.config.name, [*self.ranks])

@@ -48,6 +48,7 @@ class PeerDirectory:
         self.layout = layout  # this agent's cache: which peer ranks it moves KV with
         self.on_lost = on_lost
         self._peers: dict[str, Peer] = {}
+        self._known: dict[str, Member] = {}  # the membership's live members (``learn``)
         self._lost: dict[str, int] = {}  # key -> highest epoch known dead
         self._connecting: dict[tuple[str, int], asyncio.Task[Peer]] = {}
 
@@ -72,9 +73,20 @@ class PeerDirectory:
                 except Exception as exc:  # a peer that died meanwhile is handled on use
                     log.warning("could not connect to peer %s epoch %d: %r", m.key, m.epoch, exc)
 
+    def learn(self, members: list[Member], *, whole: bool) -> None:
+        """Members the coordinator published (``whole``: every live one), so that resolving one
+        of them needs no lookup."""
+        if whole:
+            self._known.clear()
+        for m in members:
+            self._known[m.key] = m
+
     def lost(self, key: str, epoch: int) -> None:
         """The coordinator saw ``key`` at ``epoch`` die: drop it and fail its in-flight transfers."""
         self._lost[key] = max(epoch, self._lost.get(key, 0))
+        known = self._known.get(key)
+        if known is not None and known.epoch <= epoch:
+            del self._known[key]
         peer = self._peers.get(key)
         if peer is not None and peer.epoch <= epoch:
             del self._peers[key]
@@ -91,9 +103,11 @@ class PeerDirectory:
             raise PeerLost(f"peer {key!r} epoch {epoch} was replaced by epoch {peer.epoch}")
 
     async def _resolve(self, key: str, epoch: int) -> Peer:
-        member: Member | None = await deadline(
-            self.coordinator.lookup.remote(key), self.timeout_s, f"the coordinator's lookup of {key!r}"
-        )
+        member = self._known.get(key)
+        if member is None or member.epoch != epoch:  # not published to this worker yet
+            member = await deadline(
+                self.coordinator.lookup.remote(key), self.timeout_s, f"the coordinator's lookup of {key!r}"
+            )
         if member is None or member.epoch != epoch:
             now = "gone" if member is None else f"at epoch {member.epoch}"
             raise PeerLost(f"peer {key!r} epoch {epoch} is no longer registered (now {now})")

@@ -122,8 +122,7 @@ def test_prefill_worker_killed_is_retried(mode: str) -> None:
     try:
         pipe._sync(pipe._refresh())
         # Freeze this driver's view of the membership, so that requests still go to the dead P.
-        if pipe._watch is not None:
-            pipe._watch.cancel()
+        pipe.watch.stop()
         ray.kill(_member(pipe, f"{name}-prefill-0").actor, no_restart=True)
         prompts = varied_prompts(12, seed=5)
         results = pipe.generate_batch(

@@ -1,0 +1,100 @@
+"""The coordinator's liveness checks: it pings every engine (all its ranks) each
+``runtime.health_check_period_s``; an actor error, an unhealthy answer or two missed pings mean
+dead. A death bumps the membership, tells every peer (their transfers fail with PeerLost) and starts
+a replacement in the same bundle at the next epoch. ``Coordinator`` inherits these; see
+``coordinator/actor.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import ray
+
+from moriio_ray.config import PipelineConfig
+from moriio_ray.coordinator.recovery import Slot
+from moriio_ray.protocol.messages import Member
+
+log = logging.getLogger(__name__)
+_MISSES_TO_DEAD = 2
+
+
+class Liveness:
+    """The health half of ``Coordinator`` (its state is the coordinator's)."""
+
+    config: PipelineConfig
+    slots: list[Slot]
+    deaths: list[dict[str, Any]]
+    _closing: bool
+
+    if TYPE_CHECKING:
+
+        def _bump(self, upserts: Sequence[Member] = (), removed: Sequence[tuple[str, int]] = ()) -> None: ...
+
+        def _members(self) -> list[Member]: ...
+
+        def _background(self, coro: Any) -> None: ...
+
+        def _kill(self, workers: list[Any], ranks: list[Any]) -> None: ...
+
+        async def _spawn(self, slot: Slot) -> None: ...
+
+    async def report_failure(self, key: str, epoch: int) -> None:
+        """A caller saw ``key`` fail: check it now instead of at the next ping."""
+        for slot in self.slots:
+            if slot.member is not None and slot.member.key == key and slot.member.epoch == epoch:
+                await self._ping(slot, timeout_s=self.config.runtime.health_check_period_s)
+
+    async def _health_loop(self) -> None:
+        period_s = self.config.runtime.health_check_period_s
+        while not self._closing:
+            await asyncio.sleep(period_s)
+            live = [s for s in self.slots if s.member is not None]
+            await asyncio.gather(*(self._ping(s, timeout_s=period_s * 1.5) for s in live))
+
+    async def _ping(self, slot: Slot, *, timeout_s: float) -> None:
+        member = slot.member
+        if member is None:
+            return
+        try:
+            # every rank of the engine: a dead rank fails its whole engine
+            checks = [a.check_health.remote() for a in (member.actor, *slot.ranks)]
+            await asyncio.wait_for(asyncio.gather(*checks), timeout_s)
+            slot.misses = 0
+            return
+        except asyncio.TimeoutError:
+            slot.misses += 1
+            if slot.misses < _MISSES_TO_DEAD:
+                return
+            reason = f"no health answer for {slot.misses} pings"
+        except ray.exceptions.RayActorError as exc:
+            reason = f"actor died: {type(exc).__name__}"
+        except Exception as exc:
+            reason = f"unhealthy: {exc!r}"
+        if slot.member is member:  # not already handled by a concurrent ping
+            self._on_dead(slot, reason)
+
+    def _on_dead(self, slot: Slot, reason: str) -> None:
+        member = slot.member
+        assert member is not None
+        log.warning("worker %s epoch %d is dead (%s)", member.key, member.epoch, reason)
+        self.deaths.append({"key": member.key, "epoch": member.epoch, "reason": reason, "at": time.time()})
+        slot.member = None
+        self._kill([member.actor], slot.ranks)
+        slot.ranks = []
+        for other in self._members():
+            other.actor.peer_lost.remote(member.key, member.epoch)
+        self._bump(removed=[(member.key, member.epoch)])
+        if self.config.runtime.replace_dead_workers and not self._closing:
+            self._background(self._replace(slot))
+
+    async def _replace(self, slot: Slot) -> None:
+        try:
+            await self._spawn(slot)
+            log.warning("replaced %s-%d at epoch %d", slot.role, slot.index, slot.epoch)
+        except Exception as exc:
+            log.error("could not replace %s-%d: %r", slot.role, slot.index, exc)

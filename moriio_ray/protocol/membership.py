@@ -1,0 +1,102 @@
+"""Keeping a view of the pool current: a long poll of the coordinator's membership, as deltas.
+
+Callers (their router) and workers (their peers) hold a view; ``MembershipWatch`` long-polls the
+coordinator for the change since the view's version and applies it with ``merge``. The coordinator
+answers with a whole snapshot when the view is too old for its change log (or empty), so a view
+never needs more than one answer to be current.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
+
+from moriio_ray.protocol.deadline import deadline
+from moriio_ray.protocol.messages import Membership
+
+log = logging.getLogger(__name__)
+POLL_S = 5.0  # one long poll waits this long for a newer version
+RETRY_S = 1.0  # after a failed poll
+
+
+def merge(current: Membership, update: Membership) -> Membership | None:
+    """``current`` after ``update``; None when ``update`` is a change from another version."""
+    if not update.is_delta:
+        return update
+    if update.base_version != current.version:
+        return None
+    gone = {key for key, _ in update.removed} | {m.key for m in update.members}
+    kept = [m for m in current.members if m.key not in gone]
+    return Membership(version=update.version, members=kept + list(update.members))
+
+
+class View(Protocol):
+    """What a watch keeps current (a caller's ``Router``, a worker's ``PoolWatch``)."""
+
+    @property
+    def membership(self) -> Membership: ...
+
+    def update(self, membership: Membership) -> bool:
+        """Apply a snapshot or a change; False when a change does not apply (a gap)."""
+        ...
+
+
+class MembershipWatch:
+    """Keeps ``view`` current; ``on_update`` runs after each poll that answered."""
+
+    def __init__(
+        self,
+        coordinator: Any,
+        view: View,
+        remote_timeout_s: float,
+        on_update: Callable[[Membership], Awaitable[None]] | None = None,
+    ) -> None:
+        self.coordinator = coordinator
+        self.view = view
+        self.remote_timeout_s = remote_timeout_s
+        self.on_update = on_update
+        self._whole = False  # the last change did not apply: ask for a snapshot
+        self._task: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def refresh(self, timeout_s: float = 0.0) -> Membership:
+        """One poll (a long poll of up to ``timeout_s`` for a version above the view's); returns
+        what the coordinator answered. DeadlineExceeded if it does not answer within that plus
+        remote_timeout_s."""
+        since = -1 if self._whole else self.view.membership.version
+        answer: Membership = await deadline(
+            self.coordinator.get_membership.remote(since, timeout_s),
+            timeout_s + self.remote_timeout_s,
+            "the coordinator's membership",
+        )
+        self._whole = not self.view.update(answer)
+        if self.on_update is not None:
+            await self.on_update(answer)
+        return answer
+
+    def ensure(self) -> bool:
+        """Watch from the running event loop (once per loop); True if the watch starts now (the
+        view may then be as old as the caller's ``connect``)."""
+        loop = asyncio.get_running_loop()
+        if self._task is not None and self._loop is loop and not self._task.done():
+            return False
+        self._loop = loop
+        self._task = loop.create_task(self.watch_forever())
+        return True
+
+    async def watch_forever(self) -> None:
+        while True:
+            try:
+                await self.refresh(timeout_s=POLL_S)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # coordinator restarting or gone: back off, keep the old view
+                log.warning("membership refresh failed: %r", exc)
+                await asyncio.sleep(RETRY_S)
+
+    def stop(self) -> None:
+        """Cancel the watch (from any thread)."""
+        if self._task is not None and self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._task.cancel)
