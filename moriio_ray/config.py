@@ -213,7 +213,11 @@ class PoolConfig(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
 class RuntimeConfig(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
     """Coordinator and worker behaviour."""
 
-    health_check_period_s: float = 0.5  # a dead worker: the next ping; a silent one: 2 missed (5 periods)
+    # a silent worker: 2 missed pings; a crashed one: at once (its death watch)
+    health_check_period_s: float = 0.5
+    # a ping round lasts at least (actors / this) seconds: the coordinator's CPU stays bounded at
+    # thousands of engines, and silent ones are then found later (README "The control plane at scale")
+    max_health_pings_per_s: float = 400.0
     remote_timeout_s: float = 60.0  # every remote await without a tighter deadline; a hung engine step
     prefill_retries: int = 1  # retry a prefill on another P when its P dies
     replace_dead_workers: bool = True
@@ -221,6 +225,7 @@ class RuntimeConfig(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
 
     def __post_init__(self) -> None:
         _positive(self, "health_check_period_s")
+        _positive(self, "max_health_pings_per_s")
         _positive(self, "remote_timeout_s")
         _at_least(self, "prefill_retries", 0)
         _positive(self, "worker_start_timeout_s")

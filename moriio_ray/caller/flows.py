@@ -120,7 +120,7 @@ class Flows:
         sub = streams.open(c, req.request_id)
         done = False
         try:
-            ref = c.actor.generate.remote(req, streams.caller_id)
+            ref = self._actor(c, state).generate.remote(req, streams.caller_id)
             out: RequestOutput = await self._call(c, ref, "generate", state)
             state.timings.cached_tokens = out.num_cached_tokens
             first = _merge([out])
@@ -135,7 +135,7 @@ class Flows:
             sub.close()
             self.router.release(c, cost)
             if not done:
-                send(c.actor.abort, req.request_id)
+                _abort(c, req.request_id)
 
     # -- disaggregated --------------------------------------------------------------------------
 
@@ -200,10 +200,10 @@ class Flows:
                 # ends); P stops a prefill still running. WRITE: D keeps blocks that a push may
                 # still land in until P says its pushes have ended.
                 # (sent outside this task's lineage: Serve cancels it, and Ray its calls, at a disconnect)
-                send(d.actor.abort, rid)
+                _abort(d, rid)
                 for p in asked:
                     if p.key not in state.dead:
-                        send(p.actor.abort, rid, None if read else to)
+                        _abort(p, rid, None if read else to)
 
     async def _prefill(
         self,
@@ -221,8 +221,9 @@ class Flows:
             cost = len(req.prompt_token_ids)
             self.router.acquire(p, cost)
             asked.append(p)
-            ref = call(p)
+            ref = None
             try:
+                ref = call(p)  # (a P whose actor is gone raises here)
                 result: Handoff = await deadline(ref, self.timeout_s, f"prefill on {p.key}")
                 return result, p
             except ray.exceptions.RayActorError:
@@ -234,7 +235,8 @@ class Flows:
             except BaseException:
                 # Cancelled or timed out: the flow's abort stops P's task, or frees the request's
                 # blocks if the task had already finished.
-                _forget(ref)
+                if ref is not None:
+                    _forget(ref)
                 raise
             finally:
                 self.router.release(p, cost)
@@ -265,6 +267,14 @@ class Flows:
                     return
         except ray.exceptions.RayActorError:
             self._dead(worker, state)
+            raise
+
+    def _actor(self, member: Member, state: FlowState) -> Any:
+        """``member``'s actor; one that is gone is dead, as a failed call to it would say."""
+        try:
+            return member.actor
+        except ray.exceptions.RayActorError:
+            self._dead(member, state)
             raise
 
     def _dead(self, member: Member, state: FlowState) -> None:
@@ -298,6 +308,13 @@ def _ref(member: Member) -> PeerRef:
 
 def _lp(logprob: float | None) -> list[float] | None:
     return [logprob] if logprob is not None else None
+
+
+def _abort(member: Member, *args: Any) -> None:
+    """Abort a request on ``member``, outside the caller's task lineage (nothing to abort on a
+    member whose actor is gone)."""
+    with contextlib.suppress(ray.exceptions.RayActorError):
+        send(member.actor.abort, *args)
 
 
 def _forget(ref: Any) -> None:

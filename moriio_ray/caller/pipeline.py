@@ -113,9 +113,7 @@ class PDPipeline:
         membership = self.router.membership
         if self.max_model_len or not membership.members:
             return
-        first = membership.members[0]
-        limit_s = self.config.runtime.remote_timeout_s
-        info = await deadline(first.info_ref, limit_s, f"the descriptors of {first.key}")
+        info = membership.members[0].info
         self.max_model_len = info.max_model_len
         self.vocab_size = info.vocab_size
 

@@ -158,17 +158,11 @@ class Coordinator(Liveness, Recovery):
         finally:
             slot.starting = False
         slot.ranks = ranks
-        slot.member = Member(
-            key=key,
-            role=slot.role,
-            epoch=slot.epoch,
-            node_id=info.engine_desc.node_id,
-            actor=actor,
-            info_ref=ray.put(info),  # owned by the coordinator: lives as long as it does
-            same_host_only=info.same_host_only,
-        )
+        name = state.worker_name(self.config.name, key, slot.epoch)
+        slot.member = Member.of(info, role=slot.role, epoch=slot.epoch, actor=actor, actor_name=name)
         slot.misses = 0
         self._bump(upserts=[slot.member])
+        self._watch_death(slot)
 
     async def _start_worker(self, slot: Slot, key: str) -> tuple[Any, list[Any], WorkerInfo]:
         """The slot's worker actor (and its rank actors) in its bundle, once ready, with its

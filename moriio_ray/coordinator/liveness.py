@@ -21,6 +21,7 @@ from moriio_ray.protocol.messages import Member
 
 log = logging.getLogger(__name__)
 _MISSES_TO_DEAD = 2
+TICK_S = 0.1  # a ping round is spread over ticks of about this length
 
 
 class Liveness:
@@ -50,16 +51,45 @@ class Liveness:
                 await self._ping(slot, timeout_s=self.config.runtime.health_check_period_s)
 
     async def _health_loop(self) -> None:
-        period_s = self.config.runtime.health_check_period_s
+        """Ping every engine once per round, spread over the round in ticks; a ping that hangs
+        delays no other. A round lasts ``health_check_period_s``, or longer when the pool holds
+        more actors than ``runtime.max_health_pings_per_s`` allows: a ping costs the coordinator
+        about half a millisecond of CPU (``bench/control_plane.py``). A crash is not waited for:
+        each actor's death watch (``_watch_death``) fails at once."""
+        rt = self.config.runtime
         while not self._closing:
-            await asyncio.sleep(period_s)
             live = [s for s in self.slots if s.member is not None]
-            await asyncio.gather(*(self._ping(s, timeout_s=period_s * 1.5) for s in live))
+            calls = sum(1 + len(s.ranks) for s in live)
+            round_s = max(rt.health_check_period_s, calls / rt.max_health_pings_per_s)
+            ticks = max(1, min(len(live), round(round_s / TICK_S)))
+            for i in range(ticks):
+                await asyncio.sleep(round_s / ticks)
+                for slot in live[i::ticks]:
+                    if not slot.pinging and slot.member is not None:
+                        self._background(self._ping(slot, timeout_s=rt.health_check_period_s * 1.5))
+
+    def _watch_death(self, slot: Slot) -> None:
+        """One call per actor of the engine that returns only when the actor dies: its failure
+        tells of a crash at once, whatever the ping round's length."""
+        member = slot.member
+        assert member is not None
+        for actor in (member.actor, *slot.ranks):
+            self._background(self._until_death(slot, member, actor))
+
+    async def _until_death(self, slot: Slot, member: Member, actor: Any) -> None:
+        try:
+            await actor.until_death.remote()
+        except ray.exceptions.RayActorError as exc:
+            if slot.member is member and not self._closing:
+                self._on_dead(slot, f"actor died: {type(exc).__name__}")
+        except Exception as exc:  # not a death: the pings decide
+            log.debug("death watch of %s ended: %r", member.key, exc)
 
     async def _ping(self, slot: Slot, *, timeout_s: float) -> None:
         member = slot.member
         if member is None:
             return
+        slot.pinging = True
         try:
             # every rank of the engine: a dead rank fails its whole engine
             checks = [a.check_health.remote() for a in (member.actor, *slot.ranks)]
@@ -75,6 +105,8 @@ class Liveness:
             reason = f"actor died: {type(exc).__name__}"
         except Exception as exc:
             reason = f"unhealthy: {exc!r}"
+        finally:
+            slot.pinging = False
         if slot.member is member:  # not already handled by a concurrent ping
             self._on_dead(slot, reason)
 
@@ -86,8 +118,8 @@ class Liveness:
         slot.member = None
         self._kill([member.actor], slot.ranks)
         slot.ranks = []
-        for other in self._members():
-            other.actor.peer_lost.remote(member.key, member.epoch)
+        # every watcher's long poll answers with the removal (a worker then fails its transfers
+        # with that peer): no call per peer here
         self._bump(removed=[(member.key, member.epoch)])
         if self.config.runtime.replace_dead_workers and not self._closing:
             self._background(self._replace(slot))

@@ -37,6 +37,7 @@ class Slot:
     member: Member | None = None
     misses: int = 0
     starting: bool = False
+    pinging: bool = False  # a ping of this engine is in flight
     ranks: list[Any] = field(default_factory=list)  # tensor parallelism: the actors of ranks 1..
 
 
@@ -62,6 +63,8 @@ class Recovery:
         async def _replace(self, slot: Slot) -> None: ...
 
         async def _health_loop(self) -> None: ...
+
+        def _watch_death(self, slot: Slot) -> None: ...
 
     def _save(self) -> None:
         """Keep what a restarted coordinator needs to take the pool back (see ``state``)."""
@@ -96,6 +99,9 @@ class Recovery:
         self.changes.clear()
         self._bump()
         for slot in self.slots:
+            if slot.member is not None:
+                self._watch_death(slot)
+        for slot in self.slots:
             if slot.member is None and self.config.runtime.replace_dead_workers:
                 self._background(self._replace(slot))
         self._health = asyncio.ensure_future(self._health_loop())
@@ -114,13 +120,5 @@ class Recovery:
             log.warning("worker %s did not come back: %r", stored.worker, exc)
             return False
         slot.ranks = ranks
-        slot.member = Member(
-            key=info.key,
-            role=slot.role,
-            epoch=slot.epoch,
-            node_id=info.engine_desc.node_id,
-            actor=actor,
-            info_ref=ray.put(info),
-            same_host_only=info.same_host_only,
-        )
+        slot.member = Member.of(info, role=slot.role, epoch=slot.epoch, actor=actor, actor_name=stored.worker)
         return True

@@ -219,17 +219,88 @@ class Timings(msgspec.Struct, kw_only=True, omit_defaults=True):
         self.recomputed = start.recomputed
 
 
-@dataclass
 class Member:
-    """A worker as the coordinator and routers see it."""
+    """A worker as the coordinator and routers see it.
 
-    key: str
-    role: str
-    epoch: int
-    node_id: str
-    actor: Any  # ray ActorHandle
-    info_ref: Any  # ObjectRef[WorkerInfo], owned by the coordinator
-    same_host_only: bool = False
+    Cheap to send, since every watcher of the pool receives every member: its descriptors travel
+    as msgpack bytes (decoded on first use), and its actor as its name (looked up on first use; the
+    workers are named). At 1,000 engines a pickled ActorHandle and a nested Struct per member made
+    a snapshot cost the coordinator about 40 ms (``bench/control_plane.py``)."""
+
+    __slots__ = (
+        "_actor",
+        "_info",
+        "actor_name",
+        "epoch",
+        "info_data",
+        "key",
+        "node_id",
+        "role",
+        "same_host_only",
+    )
+
+    def __init__(
+        self,
+        key: str,
+        role: str,
+        epoch: int,
+        node_id: str,
+        actor_name: str,
+        info_data: bytes,
+        same_host_only: bool = False,
+        *,
+        actor: Any = None,
+        info: WorkerInfo | None = None,
+    ) -> None:
+        self.key, self.role, self.epoch, self.node_id = key, role, epoch, node_id
+        self.actor_name, self.info_data, self.same_host_only = actor_name, info_data, same_host_only
+        self._actor, self._info = actor, info
+
+    @classmethod
+    def of(cls, info: WorkerInfo, *, role: str, epoch: int, actor: Any, actor_name: str) -> Member:
+        """A member for a ready worker (its handle kept in this process)."""
+        data = msgspec.msgpack.encode(info)
+        node = info.engine_desc.node_id
+        return cls(info.key, role, epoch, node, actor_name, data, info.same_host_only, actor=actor, info=info)
+
+    @property
+    def info(self) -> WorkerInfo:
+        """Its descriptors."""
+        if self._info is None:
+            self._info = msgspec.msgpack.decode(self.info_data, type=WorkerInfo)
+        return self._info
+
+    @property
+    def actor(self) -> Any:
+        """Its actor handle (Ray's; a lookup by name the first time in a process). An actor that is
+        gone raises ``ActorDiedError``, as a call to its handle would."""
+        if self._actor is None:
+            import ray
+
+            from moriio_ray.protocol.pool_state import NAMESPACE
+
+            try:
+                self._actor = ray.get_actor(self.actor_name, namespace=NAMESPACE)
+            except ValueError:  # no actor has the name any more: it died, as a call to it would say
+                raise ray.exceptions.ActorDiedError() from None
+        return self._actor
+
+    def __reduce__(self) -> tuple[Any, ...]:  # the handle and the decoded descriptors stay here
+        return (
+            Member,
+            (
+                self.key,
+                self.role,
+                self.epoch,
+                self.node_id,
+                self.actor_name,
+                self.info_data,
+                self.same_host_only,
+            ),
+        )
+
+    def __repr__(self) -> str:
+        return f"Member({self.key!r}, {self.role!r}, epoch={self.epoch}, node={self.node_id[:12]!r})"
 
 
 @dataclass

@@ -106,11 +106,6 @@ class EngineWorker:
             )
         return True
 
-    async def peer_lost(self, key: str, epoch: int) -> None:
-        """A peer died: drop it and fail its in-flight transfers with PeerLost (P: a lease handed
-        to it is freed as its ``deliver`` call fails)."""
-        self.core.peers.lost(key, epoch)
-
     async def stats(self) -> dict[str, Any]:
         c = self.core
         stats: dict[str, Any] = await c.loop.call(c.engine.stats)
@@ -151,6 +146,10 @@ class EngineWorker:
         actor can already run any code in the cluster; this adds no reach."""
         result = fn(self.core, *args)
         return await result if inspect.isawaitable(result) else result
+
+    async def until_death(self) -> None:
+        """Never returns: the coordinator's call fails when this actor dies (its death watch)."""
+        await asyncio.Event().wait()
 
     async def shutdown(self) -> None:
         await self.core.shutdown()

@@ -11,14 +11,16 @@ import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from moriio_ray.errors import PeerLost, StaleDescriptor
 from moriio_ray.protocol.deadline import deadline
 from moriio_ray.protocol.messages import Member, WorkerInfo
-from moriio_ray.transfer.base import TransferAgent
 from moriio_ray.transfer.layout import KVLayout
 from moriio_ray.transfer.plan import rank_pairs
+
+if TYPE_CHECKING:
+    from moriio_ray.transfer.base import TransferAgent  # (torch: the worker's process has it)
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +30,12 @@ class Peer:
     key: str
     epoch: int
     info: WorkerInfo
-    actor: Any  # ray ActorHandle
+    member: Member
+
+    @property
+    def actor(self) -> Any:
+        """Its Ray actor (looked up by name on first use)."""
+        return self.member.actor
 
 
 class PeerDirectory:
@@ -111,14 +118,14 @@ class PeerDirectory:
         if member is None or member.epoch != epoch:
             now = "gone" if member is None else f"at epoch {member.epoch}"
             raise PeerLost(f"peer {key!r} epoch {epoch} is no longer registered (now {now})")
-        info: WorkerInfo = await deadline(member.info_ref, self.timeout_s, f"the descriptors of {key!r}")
+        info = member.info
         self._check_alive(key, epoch, self._peers.get(key))
         try:
             for desc in self._rank_descs(info):
                 await asyncio.to_thread(self.agent.connect, desc)
         except StaleDescriptor as exc:
             raise PeerLost(str(exc)) from exc
-        peer = Peer(key=key, epoch=epoch, info=info, actor=member.actor)
+        peer = Peer(key=key, epoch=epoch, info=info, member=member)
         self._peers[key] = peer
         return peer
 

@@ -133,6 +133,10 @@ class RankWorker:
             "pushers": len(self.pushers),
         }
 
+    async def until_death(self) -> None:
+        """Never returns: the coordinator's call fails when this actor dies (its death watch)."""
+        await asyncio.Event().wait()
+
     async def shutdown(self) -> None:
         self.agent.close()
 

@@ -67,7 +67,7 @@ def pipe(ray_cpu: None) -> Iterator[PDPipeline]:
 
 @pytest.mark.timeout(60)
 def test_the_configured_cluster_token_is_the_one_peers_must_present(pipe: PDPipeline) -> None:
-    desc = ray.get(ray.get(pipe.coordinator.lookup.remote(P)).info_ref).engine_desc
+    desc = ray.get(pipe.coordinator.lookup.remote(P)).info.engine_desc
     config = TransferConfig(backend="tcp")
     intruder = create_agent(config, "intruder", token=bytes(32))
     friend = create_agent(config, "friend", token=bytes.fromhex(TOKEN_HEX))

@@ -46,7 +46,7 @@ def tp_config(name: str, p: int, d: int, *, decode: int = 1, **kw: Any) -> Any:
 
 def _info(pipe: PDPipeline, key: str) -> Any:
     member = ray.get(pipe.coordinator.lookup.remote(key))
-    return None if member is None else (member.epoch, ray.get(member.info_ref))
+    return None if member is None else (member.epoch, member.info)
 
 
 # (p, d, mode) -> what the pipeline is launched with; the (1, 2) ones serve a kill test later.

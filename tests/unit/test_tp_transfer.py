@@ -89,10 +89,7 @@ def member_of(ranks: list[Rank], key: str) -> Member:
         max_model_len=64, vocab_size=10, same_host_only=True, ranks=[r.desc for r in ranks],
     )  # fmt: skip
 
-    async def info_ref() -> WorkerInfo:
-        return info
-
-    return Member(key=key, role="prefill", epoch=1, node_id="", actor=None, info_ref=info_ref())
+    return Member.of(info, role="prefill", epoch=1, actor=None, actor_name=f"worker:{key}:1")
 
 
 def test_a_lost_peer_fails_the_other_ranks_reads_with_peer_lost(engines: dict[str, list[Rank]]) -> None:
