@@ -73,6 +73,14 @@ def router_alone(n: int, repeats: int = 20_000) -> dict[str, Any]:
     return stats(samples)
 
 
+def answered(timeline: dict[str, Any], change: str, start: float | None) -> float | None:
+    """How long after ``start`` the coordinator had answered every watcher waiting for the
+    version that published ``change`` (its own part of a change's spread)."""
+    version = timeline["versions"].get(change)
+    done = timeline["answered"].get(version)
+    return None if done is None or start is None else done[1] - start
+
+
 def spread(times: dict[str, float], start: float) -> dict[str, Any]:
     """How long after ``start`` a change reached its recipients (seconds)."""
     delays = [max(0.0, t - start) for t in times.values()]
@@ -209,6 +217,8 @@ class Run:
             "detect_s": None if detected is None else detected - t_crash,
             "down": spread(seen_down, detected) if detected else None,
             "replacement": spread(seen_up, upped) if upped else None,
+            "coordinator_answered_down_s": answered(tl, f"down|{key}|{epoch}", detected),
+            "coordinator_answered_up_s": answered(tl, f"up|{key}|{epoch + 1}", upped),
             "refused_requests": await self._total("refused") - refused0,
         }
         d = self.result[f"death_{how}"]
@@ -237,6 +247,9 @@ class Run:
             seen = await self._reached(s, recipients)
             spreads.append(spread(seen, tl["upped"][f"{s[0]}|1"]))
         worst = max(spreads, key=lambda x: x["max"] or 0.0)
+        worst["coordinator_answered_s"] = max(
+            (answered(tl, f"up|{k}|1", tl["upped"][f"{k}|1"]) or 0.0) for k in keys
+        )
         self.result["scale_up"] = worst
         reach = f"{worst['recipients']} of {recipients}"
         log(f"N={self.n}: scale-up of {count} reached {reach}, p99 {worst['p99']} s")

@@ -51,7 +51,11 @@ class _SimPoolWatch(PoolWatch):
 
     async def _on_answer(self, answer: Membership) -> None:
         await super()._on_answer(answer)
-        self.tracker.observe(self.key, self.membership)
+        self.tracker.observe(self.key, self._epoch_of)
+
+    def _epoch_of(self, key: str) -> int | None:
+        m = self.members.get(key)
+        return None if m is None else m.epoch
 
 
 class _Engine:
@@ -241,8 +245,12 @@ class SimCallers:
         self._tasks: list[asyncio.Task[Any]] = []
 
     def _observer(self, name: str, router: Router) -> Any:
+        def epoch_of(key: str) -> int | None:
+            m = router.find(key)
+            return None if m is None else m.epoch
+
         async def observe(_answer: Membership) -> None:
-            self.tracker.observe(name, router.membership)
+            self.tracker.observe(name, epoch_of)
 
         return observe
 
@@ -301,8 +309,9 @@ class SimCallers:
 
     async def track(self, subjects: list[Subject]) -> None:
         self.tracker.subjects.update(subjects)
-        for name, r in zip(self.names, self.routers, strict=True):
-            self.tracker.observe(name, r.membership)
+        for w in self.watches:
+            assert w.on_update is not None
+            await w.on_update(Membership(version=w.view.version))
 
     async def report(self, reset_samples: bool = True) -> dict[str, Any]:
         samples = self.route_ns

@@ -23,6 +23,7 @@ import os
 import resource
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -30,7 +31,7 @@ import ray
 from moriio_ray.config import PipelineConfig
 from moriio_ray.coordinator.actor import Coordinator
 from moriio_ray.coordinator.recovery import Slot
-from moriio_ray.protocol.messages import Membership, WorkerInfo
+from moriio_ray.protocol.messages import WorkerInfo
 
 Subject = tuple[str, int, str]  # (engine key, epoch, "up" | "down")
 SAMPLES = 20_000  # timing samples kept per series
@@ -54,13 +55,13 @@ def usage() -> dict[str, float]:
     }
 
 
-def reached(subject: Subject, membership: Membership) -> bool:
-    """Whether a view of the pool shows ``subject``."""
+def reached(subject: Subject, epoch_of: Callable[[str], int | None]) -> bool:
+    """Whether a view of the pool (``epoch_of``: a key's epoch there, None if absent) shows ``subject``."""
     key, epoch, kind = subject
-    m = next((m for m in membership.members if m.key == key), None)
+    now = epoch_of(key)
     if kind == "up":
-        return m is not None and m.epoch >= epoch
-    return m is None or m.epoch > epoch
+        return now is not None and now >= epoch
+    return now is None or now > epoch
 
 
 class _Tracker:
@@ -71,10 +72,10 @@ class _Tracker:
         self.subjects: set[Subject] = set()
         self.seen: dict[Subject, dict[str, float]] = defaultdict(dict)
 
-    def observe(self, who: str, membership: Membership) -> None:
+    def observe(self, who: str, epoch_of: Callable[[str], int | None]) -> None:
         now = time.time()
         for s in self.subjects:
-            if who != s[0] and who not in self.seen[s] and reached(s, membership):
+            if who != s[0] and who not in self.seen[s] and reached(s, epoch_of):
                 self.seen[s][who] = now
 
     def mark(self, who: str, subject: Subject) -> None:
@@ -117,6 +118,8 @@ class SimCoordinator(Coordinator):
         super().__init__(config, token=b"\0" * 32)
         self.hosts = hosts
         self.upped: dict[str, float] = {}  # "key|epoch" -> when it was published
+        self.versions: dict[str, int] = {}  # "key|epoch" (up or down) -> the version that published it
+        self.answered: dict[int, tuple[float, float, int]] = {}  # version -> (first, last answer, count)
         self.detected: dict[str, float] = {}  # "key|epoch" -> when its death was seen
         self.ping_s: list[float] = []
         self.ping_gap_s: list[float] = []  # between one engine's successive pings
@@ -142,6 +145,9 @@ class SimCoordinator(Coordinator):
         now = time.time()
         for m in upserts:
             self.upped[f"{m.key}|{m.epoch}"] = now
+            self.versions[f"up|{m.key}|{m.epoch}"] = self.version
+        for key, epoch in removed:
+            self.versions[f"down|{key}|{epoch}"] = self.version
 
     async def _ping(self, slot: Slot, *, timeout_s: float) -> None:
         t0 = time.perf_counter()
@@ -152,6 +158,14 @@ class SimCoordinator(Coordinator):
         await super()._ping(slot, timeout_s=timeout_s)
         if slot.misses == 0 and slot.member is not None and len(self.ping_s) < SAMPLES:
             self.ping_s.append(time.perf_counter() - t0)
+
+    async def watch(self, since_version: int = -1, timeout_s: float = 0.0) -> bytes:
+        """The library's answer, its time noted: when the coordinator answered each version."""
+        packed = await super().watch(since_version, timeout_s)
+        if since_version < self.version:
+            first, _, count = self.answered.get(self.version, (time.time(), 0.0, 0))
+            self.answered[self.version] = (first, time.time(), count + 1)
+        return packed
 
     def _on_dead(self, slot: Slot, reason: str) -> None:
         assert slot.member is not None
@@ -182,4 +196,9 @@ class SimCoordinator(Coordinator):
         return {**usage(), "ping_s": pings, "ping_gap_s": gaps, "version": self.version, "torch": loaded}
 
     async def timeline(self) -> dict[str, Any]:
-        return {"upped": dict(self.upped), "detected": dict(self.detected)}
+        return {
+            "upped": dict(self.upped),
+            "detected": dict(self.detected),
+            "versions": dict(self.versions),
+            "answered": dict(self.answered),
+        }

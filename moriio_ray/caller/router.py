@@ -28,6 +28,15 @@ class Router:
         self.outstanding: dict[str, int] = {}
         self.served: dict[str, int] = {}
         self._index: dict[tuple[str, str | None], list[Member]] = {}
+        self._by_key: dict[str, Member] = {}
+
+    @property
+    def version(self) -> int:
+        return self.membership.version
+
+    def find(self, key: str) -> Member | None:
+        """The live member ``key``, if this router knows it."""
+        return self._by_key.get(key)
 
     def update(self, membership: Membership) -> bool:
         """Take a snapshot or a change (an older one is ignored); False when a change does not
@@ -51,6 +60,7 @@ class Router:
             index.setdefault((m.role, None), []).append(m)
             index.setdefault((m.role, m.node_id), []).append(m)
         self._index = index
+        self._by_key = {m.key: m for m in merged.members}
         return True
 
     def pick(

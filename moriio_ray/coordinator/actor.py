@@ -34,9 +34,11 @@ from moriio_ray.coordinator.liveness import Liveness
 from moriio_ray.coordinator.recovery import Recovery, Slot
 from moriio_ray.errors import CapacityError, DeadlineExceeded
 from moriio_ray.protocol import pool_state as state
+from moriio_ray.protocol.membership import pack
 from moriio_ray.protocol.messages import Member, Membership, Role, WorkerInfo
 
 log = logging.getLogger(__name__)
+PACKED_ANSWERS = 64  # packed membership answers kept (one per version a watcher starts from)
 WORKER_STATS_TIMEOUT_S = 10.0  # a worker that does not answer is listed with its error
 
 NAMESPACE = state.NAMESPACE  # (tests and callers import it from here)
@@ -61,6 +63,7 @@ class Coordinator(Liveness, Recovery):
         self.deaths: list[dict[str, Any]] = []
         self._changed: asyncio.Event | None = None
         self.changes = ChangeLog()
+        self._packed: dict[tuple[int, int], bytes] = {}  # (since, version) -> a packed answer
         self._started: asyncio.Task[None] | None = None
         self._health: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -240,14 +243,30 @@ class Coordinator(Liveness, Recovery):
             await self.start()
 
     async def get_membership(self, since_version: int = -1, timeout_s: float = 0.0) -> Membership:
-        """The membership; with ``timeout_s`` > 0, wait that long for a version above ``since_version``."""
+        """The membership; with ``timeout_s`` > 0, wait that long for a version above
+        ``since_version``. The answer is the change since that version when the log holds it."""
+        await self._wait_change(since_version, timeout_s)
+        return self.changes.answer(since_version, self.version, self._members)
+
+    async def watch(self, since_version: int = -1, timeout_s: float = 0.0) -> bytes:
+        """``get_membership`` packed (``protocol/membership.py``): what every watcher long-polls.
+        All the watchers at one version get the same bytes, packed once per change."""
+        await self._wait_change(since_version, timeout_s)
+        key = (since_version, self.version)
+        packed = self._packed.get(key)
+        if packed is None:
+            if len(self._packed) > PACKED_ANSWERS:
+                self._packed.clear()
+            packed = self._packed[key] = pack(self.changes.answer(since_version, self.version, self._members))
+        return packed
+
+    async def _wait_change(self, since_version: int, timeout_s: float) -> None:
         await self._resume()
         if self.version <= since_version and timeout_s > 0 and self._changed is not None:
             try:
                 await asyncio.wait_for(self._changed.wait(), timeout_s)
             except asyncio.TimeoutError:
                 pass
-        return self.changes.answer(since_version, self.version, self._members())
 
     async def lookup(self, key: str) -> Member | None:
         await self._resume()

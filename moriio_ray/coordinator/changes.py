@@ -8,6 +8,7 @@ answer instead of a thousand members. A watcher older than the log (or new) gets
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 from moriio_ray.protocol.messages import Member, Membership
 
@@ -26,11 +27,11 @@ class ChangeLog:
         """Forget every change (a restart: every watcher then gets a snapshot)."""
         self._log.clear()
 
-    def answer(self, since: int, version: int, members: list[Member]) -> Membership:
+    def answer(self, since: int, version: int, members: Callable[[], list[Member]]) -> Membership:
         """What a watcher at ``since`` needs to reach ``version``: the change, or a snapshot of
-        ``members`` when ``since`` is older than the log."""
+        ``members()`` when ``since`` is older than the log."""
         if since < 0 or since > version or not self._log or since < self._log[0][0] - 1:
-            return Membership(version=version, members=members)
+            return Membership(version=version, members=members())
         upserts: dict[str, Member] = {}
         removed: dict[str, int] = {}
         for v, added, gone in self._log:

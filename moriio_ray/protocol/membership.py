@@ -13,11 +13,13 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
+import msgspec
+
 from moriio_ray.protocol.deadline import deadline
-from moriio_ray.protocol.messages import Membership
+from moriio_ray.protocol.messages import Member, Membership
 
 log = logging.getLogger(__name__)
-POLL_S = 5.0  # one long poll waits this long for a newer version
+POLL_S = 30.0  # one long poll waits this long for a newer version (a change answers it at once)
 RETRY_S = 1.0  # after a failed poll
 
 
@@ -32,11 +34,28 @@ def merge(current: Membership, update: Membership) -> Membership | None:
     return Membership(version=update.version, members=kept + list(update.members))
 
 
+def pack(m: Membership) -> bytes:
+    """``m`` as msgpack: what the coordinator sends every watcher (a pickled Membership costs it
+    several times more per answer)."""
+    members = [[getattr(x, f) for f in Member.FIELDS] for x in m.members]
+    return msgspec.msgpack.encode([m.version, m.base_version, m.removed, members])
+
+
+def unpack(data: bytes) -> Membership:
+    version, base_version, removed, members = msgspec.msgpack.decode(data)
+    return Membership(
+        version=version,
+        members=[Member(*fields) for fields in members],
+        base_version=base_version,
+        removed=[(key, epoch) for key, epoch in removed],
+    )
+
+
 class View(Protocol):
     """What a watch keeps current (a caller's ``Router``, a worker's ``PoolWatch``)."""
 
     @property
-    def membership(self) -> Membership: ...
+    def version(self) -> int: ...
 
     def update(self, membership: Membership) -> bool:
         """Apply a snapshot or a change; False when a change does not apply (a gap)."""
@@ -65,12 +84,13 @@ class MembershipWatch:
         """One poll (a long poll of up to ``timeout_s`` for a version above the view's); returns
         what the coordinator answered. DeadlineExceeded if it does not answer within that plus
         remote_timeout_s."""
-        since = -1 if self._whole else self.view.membership.version
-        answer: Membership = await deadline(
-            self.coordinator.get_membership.remote(since, timeout_s),
+        since = -1 if self._whole else self.view.version
+        packed: bytes = await deadline(
+            self.coordinator.watch.remote(since, timeout_s),
             timeout_s + self.remote_timeout_s,
             "the coordinator's membership",
         )
+        answer = unpack(packed)
         self._whole = not self.view.update(answer)
         if self.on_update is not None:
             await self.on_update(answer)

@@ -227,17 +227,8 @@ class Member:
     workers are named). At 1,000 engines a pickled ActorHandle and a nested Struct per member made
     a snapshot cost the coordinator about 40 ms (``bench/control_plane.py``)."""
 
-    __slots__ = (
-        "_actor",
-        "_info",
-        "actor_name",
-        "epoch",
-        "info_data",
-        "key",
-        "node_id",
-        "role",
-        "same_host_only",
-    )
+    FIELDS = ("key", "role", "epoch", "node_id", "actor_name", "info_data", "same_host_only")  # sent
+    __slots__ = (*FIELDS, "_actor", "_info")
 
     def __init__(
         self,
@@ -286,18 +277,7 @@ class Member:
         return self._actor
 
     def __reduce__(self) -> tuple[Any, ...]:  # the handle and the decoded descriptors stay here
-        return (
-            Member,
-            (
-                self.key,
-                self.role,
-                self.epoch,
-                self.node_id,
-                self.actor_name,
-                self.info_data,
-                self.same_host_only,
-            ),
-        )
+        return (Member, tuple(getattr(self, f) for f in self.FIELDS))
 
     def __repr__(self) -> str:
         return f"Member({self.key!r}, {self.role!r}, epoch={self.epoch}, node={self.node_id[:12]!r})"

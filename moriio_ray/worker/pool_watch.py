@@ -14,8 +14,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from moriio_ray.protocol.membership import POLL_S, MembershipWatch, merge
-from moriio_ray.protocol.messages import Membership, Role
+from moriio_ray.protocol.membership import POLL_S, MembershipWatch
+from moriio_ray.protocol.messages import Member, Membership, Role
 from moriio_ray.worker.peers import PeerDirectory
 
 log = logging.getLogger(__name__)
@@ -29,19 +29,25 @@ class PoolWatch:
     """Keeps ``membership`` current and the peer directory in step with it."""
 
     def __init__(self, coordinator: Any, peers: PeerDirectory, role: str, remote_timeout_s: float) -> None:
-        self.membership = Membership(version=-1)
+        self.version = -1
+        self.members: dict[str, Member] = {}  # a change costs its own size, not the pool's
         self.peers = peers
         self.talks_to = TALKS_TO.get(role)
         self.watch = MembershipWatch(coordinator, self, remote_timeout_s, self._on_answer)
         self._connects: set[asyncio.Task[None]] = set()
 
     def update(self, membership: Membership) -> bool:
-        if membership.version <= self.membership.version:
+        if membership.version <= self.version:
             return True
-        merged = merge(self.membership, membership)
-        if merged is None:
+        if not membership.is_delta:
+            self.members = {m.key: m for m in membership.members}
+        elif membership.base_version != self.version:
             return False
-        self.membership = merged
+        else:
+            for key, _ in membership.removed:
+                self.members.pop(key, None)
+            self.members.update((m.key, m) for m in membership.members)
+        self.version = membership.version
         return True
 
     async def _on_answer(self, answer: Membership) -> None:
@@ -51,7 +57,7 @@ class PoolWatch:
         if self.talks_to is None:
             return
         new = [m for m in answer.members if m.role == self.talks_to]
-        if new and len(self.membership.by_role(self.talks_to)) <= EAGER_PEERS:
+        if new and sum(m.role == self.talks_to for m in self.members.values()) <= EAGER_PEERS:
             task = asyncio.ensure_future(self.peers.add_members(new, roles={self.talks_to}))
             self._connects.add(task)
             task.add_done_callback(self._connects.discard)

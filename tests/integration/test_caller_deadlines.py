@@ -12,7 +12,6 @@ import ray
 
 from moriio_ray import PDPipeline
 from moriio_ray.errors import DeadlineExceeded
-from moriio_ray.protocol.messages import Membership
 from tests.integration.helpers import tiny_config
 
 pytestmark = pytest.mark.usefixtures("ray_cpu")
@@ -25,9 +24,9 @@ BOUND_S = 15.0  # every call below must have failed by then (the long poll's 5 s
 class SilentCoordinator:
     """A coordinator that is alive but never answers."""
 
-    async def get_membership(self, version: int, timeout_s: float) -> Membership:
+    async def watch(self, version: int, timeout_s: float) -> bytes:
         await asyncio.sleep(3600)
-        return Membership(version=version + 1)
+        return b""
 
     async def stats(self) -> dict[str, object]:
         await asyncio.sleep(3600)

@@ -14,7 +14,7 @@ import ray
 from moriio_ray.caller.router import Router
 from moriio_ray.coordinator.changes import ChangeLog
 from moriio_ray.errors import CapacityError
-from moriio_ray.protocol.membership import merge
+from moriio_ray.protocol.membership import merge, pack, unpack
 from moriio_ray.protocol.messages import Member, Membership
 from moriio_ray.worker import pool_watch
 from moriio_ray.worker.pool_watch import PoolWatch
@@ -52,25 +52,25 @@ def test_the_log_answers_a_change_or_a_snapshot() -> None:
         version += 1
         members[f"e{i}"] = member(f"e{i}")
         log.record(version, [members[f"e{i}"]], [])
-    snapshot = log.answer(-1, version, list(members.values()))
+    snapshot = log.answer(-1, version, lambda: list(members.values()))
     assert not snapshot.is_delta and keys(snapshot) == {"e0": 1, "e1": 1, "e2": 1}
-    change = log.answer(1, version, list(members.values()))
+    change = log.answer(1, version, lambda: list(members.values()))
     assert change.is_delta and change.base_version == 1 and keys(change) == {"e1": 1, "e2": 1}
-    assert log.answer(version, version, []).members == []  # nothing new
+    assert log.answer(version, version, list).members == []  # nothing new
     # removed then back at a new epoch: an upsert, not a removal
     log.record(4, [], [("e1", 1)])
     log.record(5, [member("e1", 2)], [])
-    change = log.answer(3, 5, [])
+    change = log.answer(3, 5, list)
     assert keys(change) == {"e1": 2} and change.removed == []
     log.record(6, [], [("e0", 1)])
     log.record(7, [], [("e2", 1)])  # the log holds 4: versions 4..7
-    assert log.answer(2, 7, [member("e1", 2)]).is_delta is False  # too old: a snapshot
-    assert log.answer(3, 7, []).removed == [("e0", 1), ("e2", 1)]
+    assert log.answer(2, 7, lambda: [member("e1", 2)]).is_delta is False  # too old: a snapshot
+    assert log.answer(3, 7, list).removed == [("e0", 1), ("e2", 1)]
 
 
 def test_a_view_following_the_log_always_equals_the_pool() -> None:
     """Random joins, deaths and replacements; watchers at random versions catch up by one
-    answer each and then hold exactly the coordinator's membership."""
+    answer each (packed as the coordinator sends it) and then hold exactly its membership."""
     rng = random.Random(7)
     log = ChangeLog(limit=16)
     pool: dict[str, Member] = {}
@@ -87,11 +87,21 @@ def test_a_view_following_the_log_always_equals_the_pool() -> None:
             log.record(version, [pool[key]], [])
         for i, view in enumerate(views):
             if rng.random() < 0.3:  # this watcher polls now
-                answer = log.answer(view.version, version, list(pool.values()))
+                answer = unpack(pack(log.answer(view.version, version, lambda: list(pool.values()))))
                 merged = merge(view, answer)
                 assert merged is not None
                 views[i] = merged
                 assert keys(merged) == {k: m.epoch for k, m in pool.items()}
+
+
+def test_a_packed_member_keeps_every_field_and_decodes_its_descriptors_lazily() -> None:
+    m = Member("k", "prefill", 3, "node", "worker:p:k:3", b"\x01\x02", True)
+    change = Membership(version=7, members=[m], base_version=5, removed=[("j", 2)])
+    back = unpack(pack(change))
+    (b,) = back.members
+    assert (back.version, back.base_version, back.removed) == (7, 5, [("j", 2)])
+    assert [getattr(b, f) for f in Member.FIELDS] == [getattr(m, f) for f in Member.FIELDS]
+    assert b._info is None and b._actor is None  # nothing decoded or looked up yet
 
 
 # -- the router ------------------------------------------------------------------------------------
@@ -173,14 +183,14 @@ class FakePeers:
 
 
 class FakeCoordinator:
-    """Answers ``get_membership.remote`` from a change log, or raises the queued errors."""
+    """Answers ``watch.remote`` from a change log, or raises the queued errors."""
 
     def __init__(self) -> None:
         self.log = ChangeLog()
         self.pool: dict[str, Member] = {}
         self.version = 0
         self.errors: list[BaseException] = []
-        self.get_membership = self
+        self.watch = self
 
     def change(self, up: list[Member] = (), down: list[str] = ()) -> None:  # type: ignore[assignment]
         self.version += 1
@@ -189,10 +199,10 @@ class FakeCoordinator:
         self.log.record(self.version, list(up), gone)
 
     def remote(self, since: int, timeout_s: float) -> Any:
-        async def answer() -> Membership:
+        async def answer() -> bytes:
             if self.errors:
                 raise self.errors.pop(0)
-            return self.log.answer(since, self.version, list(self.pool.values()))
+            return pack(self.log.answer(since, self.version, lambda: list(self.pool.values())))
 
         return answer()
 
@@ -214,7 +224,7 @@ def test_a_worker_follows_the_pool_and_connects_eagerly_up_to_the_limit(
         await watch.watch.refresh()
         await asyncio.sleep(0)
         assert peers.lost_keys == [("d1", 1)] and sorted(peers.connected) == ["d0", "d1", "d2", "d3"]
-        assert keys(watch.membership) == {"d0": 1, "p0": 1, "d2": 1, "d3": 1}
+        assert {k: m.epoch for k, m in watch.members.items()} == {"d0": 1, "p0": 1, "d2": 1, "d3": 1}
         coord.change(up=[member("d4")])  # 4 > 3: on first use only
         await watch.watch.refresh()
         await asyncio.sleep(0)
