@@ -82,11 +82,15 @@ def answered(timeline: dict[str, Any], change: str, start: float | None) -> floa
 
 
 def spread(times: dict[str, float], start: float) -> dict[str, Any]:
-    """How long after ``start`` a change reached its recipients (seconds)."""
+    """How long after ``start`` a change reached its recipients (seconds): all, and the callers
+    and the engines apart."""
     delays = [max(0.0, t - start) for t in times.values()]
     out = stats(delays)
     out["max"] = max(delays) if delays else None
     out["recipients"] = len(delays)
+    callers = [max(0.0, t - start) for who, t in times.items() if who.startswith("caller")]
+    engines = [max(0.0, t - start) for who, t in times.items() if not who.startswith("caller")]
+    out["callers_p99"], out["engines_p99"] = stats(callers)["p99"], stats(engines)["p99"]
     return out
 
 
@@ -124,8 +128,9 @@ class Run:
         self.result["start_s"] = time.time() - t0
         log(f"N={self.n}: pool of {self.n} simulated engines up in {self.result['start_s']:.1f} s")
         per = max(1, a.callers // a.caller_hosts)
+        callers = ray.remote(SimCallers).options(**opts)
         self.callers = [
-            ray.remote(SimCallers).options(**opts).remote(f"c{i}", per, self.coord, self.hosts, timeout_s)
+            callers.remote(f"caller{i}", per, self.coord, self.hosts, timeout_s)
             for i in range(a.caller_hosts)
         ]
         await asyncio.gather(*(c.start.remote(a.rate / a.caller_hosts, a.service_s) for c in self.callers))
