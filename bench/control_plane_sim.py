@@ -120,6 +120,7 @@ class SimCoordinator(Coordinator):
         self.upped: dict[str, float] = {}  # "key|epoch" -> when it was published
         self.versions: dict[str, int] = {}  # "key|epoch" (up or down) -> the version that published it
         self.answered: dict[int, tuple[float, float, int]] = {}  # version -> (first, last answer, count)
+        self.snapshots = 0  # answers to a watcher that asked for the whole membership
         self.detected: dict[str, float] = {}  # "key|epoch" -> when its death was seen
         self.ping_s: list[float] = []
         self.ping_gap_s: list[float] = []  # between one engine's successive pings
@@ -162,6 +163,7 @@ class SimCoordinator(Coordinator):
     async def watch(self, since_version: int = -1, timeout_s: float = 0.0) -> bytes:
         """The library's answer, its time noted: when the coordinator answered each version."""
         packed = await super().watch(since_version, timeout_s)
+        self.snapshots += since_version < 0
         if since_version < self.version:
             first, _, count = self.answered.get(self.version, (time.time(), 0.0, 0))
             self.answered[self.version] = (first, time.time(), count + 1)
@@ -201,4 +203,6 @@ class SimCoordinator(Coordinator):
             "detected": dict(self.detected),
             "versions": dict(self.versions),
             "answered": dict(self.answered),
+            "snapshots": self.snapshots,
+            "version": self.version,
         }
