@@ -36,6 +36,8 @@ NOT_RUN = {
     "python bench/engine_bench.py": "needs an NVIDIA GPU",
     "python bench/serving.py": "a benchmark of minutes (its GPU run needs an H200); records: "
     "bench/results/serving_*.json, handoff_*, prefix_*, n_choices_*, serve_cpu.json",
+    "python -m bench.control_plane": "a benchmark of minutes; tests/integration/test_control_plane.py "
+    "runs it bounded at N = 64; its record: bench/results/control_plane.json",
     "controller_options:": "a Serve config fragment; tests/unit/test_configs.py checks it in every config",
     "# 1. on the head node": "the multi-node steps: tests/e2e/test_multinode_docs.py runs them (same block)",
 }
