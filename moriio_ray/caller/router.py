@@ -51,16 +51,15 @@ class Router:
             if old.get(m.key, m.epoch) != m.epoch:  # a replacement starts with a clean record
                 self.served.pop(m.key, None)
         self.membership = merged
-        live = {m.key for m in merged.members}
+        self._by_key = {m.key: m for m in merged.members}
         for key in list(self.outstanding):
-            if key not in live and self.outstanding[key] <= 0:
+            if key not in self._by_key and self.outstanding[key] <= 0:
                 del self.outstanding[key]
         index: dict[tuple[str, str | None], list[Member]] = {}
         for m in merged.members:
             index.setdefault((m.role, None), []).append(m)
             index.setdefault((m.role, m.node_id), []).append(m)
         self._index = index
-        self._by_key = {m.key: m for m in merged.members}
         return True
 
     def pick(

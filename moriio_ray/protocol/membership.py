@@ -23,15 +23,25 @@ POLL_S = 30.0  # one long poll waits this long for a newer version (a change ans
 RETRY_S = 1.0  # after a failed poll
 
 
+def apply(members: dict[str, Member], update: Membership) -> None:
+    """Apply ``update`` to ``members`` (by key) in place: a snapshot replaces them, a change costs
+    its own size. The caller checks that a change starts at its version."""
+    if not update.is_delta:
+        members.clear()
+    for key, _ in update.removed:
+        members.pop(key, None)
+    members.update((m.key, m) for m in update.members)
+
+
 def merge(current: Membership, update: Membership) -> Membership | None:
     """``current`` after ``update``; None when ``update`` is a change from another version."""
     if not update.is_delta:
         return update
     if update.base_version != current.version:
         return None
-    gone = {key for key, _ in update.removed} | {m.key for m in update.members}
-    kept = [m for m in current.members if m.key not in gone]
-    return Membership(version=update.version, members=kept + list(update.members))
+    members = {m.key: m for m in current.members}
+    apply(members, update)
+    return Membership(version=update.version, members=list(members.values()))
 
 
 def pack(m: Membership) -> bytes:

@@ -14,7 +14,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from moriio_ray.protocol.membership import POLL_S, MembershipWatch
+from moriio_ray.protocol.membership import POLL_S, MembershipWatch, apply
 from moriio_ray.protocol.messages import Member, Membership, Role
 from moriio_ray.worker.peers import PeerDirectory
 
@@ -39,14 +39,9 @@ class PoolWatch:
     def update(self, membership: Membership) -> bool:
         if membership.version <= self.version:
             return True
-        if not membership.is_delta:
-            self.members = {m.key: m for m in membership.members}
-        elif membership.base_version != self.version:
+        if membership.is_delta and membership.base_version != self.version:
             return False
-        else:
-            for key, _ in membership.removed:
-                self.members.pop(key, None)
-            self.members.update((m.key, m) for m in membership.members)
+        apply(self.members, membership)
         self.version = membership.version
         return True
 
