@@ -1,7 +1,7 @@
 """Writes ``tests/data/openai_schemas.json``: the components the schema tests need, from OpenAI's spec.
 
 Run it on a copy of ``openapi.json`` from the repository ``openai/openai-openapi``, naming that
-copy's commit, then update ``tests/data/README.md`` and the README's OpenAI API section::
+copy's commit, then update ``tests/data/README.md`` and ``docs/openai_api.md``::
 
     python -m tests.openai_spec_trim openapi.json <commit>
 

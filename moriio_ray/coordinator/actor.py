@@ -1,10 +1,12 @@
 """The coordinator: owns the worker pools, their descriptors and their liveness.
 
 A named async actor (create-or-get) in namespace ``moriio_ray``. It creates the workers in one
-placement group (one bundle per engine), ``ray.put``s each worker's ``WorkerInfo`` so that it owns
-the descriptors, publishes a versioned membership that routers and workers long-poll, pings every
-worker, and on a death bumps that worker's epoch, tells every peer (which fails in-flight transfers
-with PeerLost) and starts a replacement in the same bundle. A tensor-parallel engine is one member
+placement group (one bundle per engine), keeps each worker's descriptors as msgpack bytes inside its
+``Member``, and publishes a versioned membership that callers and workers long-poll (``watch``: the
+change since the watcher's version, packed once per version; ``changes``). Liveness (``liveness``)
+sees a crash at once through a death watch and a silent worker through pings; a death bumps that
+worker's epoch and publishes its removal, which every watcher receives (a peer's in-flight transfers
+then fail with PeerLost), and a replacement starts in the same bundle. A tensor-parallel engine is one member
 whose bundle holds all its ranks' actors (``engine_group``): they are started, pinged, killed and
 replaced together.
 

@@ -1,8 +1,11 @@
-"""The coordinator's liveness checks: it pings every engine (all its ranks) each
-``runtime.health_check_period_s``; an actor error, an unhealthy answer or two missed pings mean
-dead. A death bumps the membership, tells every peer (their transfers fail with PeerLost) and starts
-a replacement in the same bundle at the next epoch. ``Coordinator`` inherits these; see
-``coordinator/actor.py``.
+"""The coordinator's liveness checks. A death watch (one pending call per actor, which Ray fails
+when the actor dies) sees a crash at once. Pings find the silent: every engine (all its ranks) is
+pinged once per round, a round spread over ticks and lasting at least ``runtime.health_check_period_s``
+and (engine actors / ``runtime.max_health_pings_per_s``) seconds; an actor error, an unhealthy
+answer or two missed pings mean dead. A death bumps the worker's epoch and publishes its removal in
+the membership, which every caller's and worker's long poll receives (their transfers with it then
+fail with PeerLost), and starts a replacement in the same bundle at the next epoch. ``Coordinator``
+inherits these; see ``coordinator/actor.py``.
 """
 
 from __future__ import annotations

@@ -11,5 +11,17 @@ Modules, one noun each (import them by full path; this package imports nothing, 
 - ``attention``, ``attention_prefill``: paged attention of a mixed batch (the kernel interface)
 - ``loader``, ``presets``, ``device``: weights from a local HF directory or seeded presets
 - ``kv_cache``, ``block_allocator``: the paged cache and its reference-counted, leased blocks
-- ``sampling``, ``sampler``, ``stopping``, ``outputs``, ``tokenizer``
+- ``fused_forward``, ``triton_attention``, ``triton_fused``: the CUDA forward with Triton kernels
+- ``pd_role``, ``admission``: the P/D hand-over (reservations, leases, the layer hook); what an
+  engine checks before it takes a request
+- ``prefix_cache``: block keys and the cached blocks
+- ``sampling``, ``sampler``, ``shaping``, ``grammar``, ``stopping``, ``outputs``: request params,
+  sampling on the device, penalties and bias, structured output, stop rules, step outputs
+- ``tokenizer``, ``chat_template``, ``model_path``: tokenizers, chat templates, what ``model.path`` names
+- ``gguf_file``, ``gguf_arch``, ``gguf_dequant``, ``gguf_loader``, ``gguf_tokenizer``, ``weight_sink``:
+  GGUF files and checkpoint tensors into the model's parameters
+- ``tp``, ``tp_size``, ``tp_shard``, ``tp_steps``, ``rank``: tensor parallelism (groups, sizes,
+  slices, rank 0's step messages, the other ranks' shards)
+
+docs/code_map.md has one line per module.
 """

@@ -1,8 +1,8 @@
 """Messages between the caller, the coordinator and the workers.
 
 msgspec Structs: they pickle for Ray, and the output stream sends them as msgpack bytes. This module
-imports neither torch nor Ray, so that the Serve ingress stays light. (The coordinator imports it
-too, but it still loads the worker package, and with it torch, to start the worker actors.)
+imports neither torch nor Ray, so that the Serve ingress and the coordinator stay light: neither
+loads torch (``tests/unit/test_registry.py`` checks the coordinator).
 """
 
 from __future__ import annotations

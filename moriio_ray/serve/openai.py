@@ -47,7 +47,7 @@ MAX_PROMPTS = 64  # prompts in one /v1/completions request
 MAX_CHOICES = 128  # prompts x n
 
 # Fields of OpenAI's request schemas that this server accepts and ignores, because ignoring them
-# cannot change the answer; each with the reason (the README lists them).
+# cannot change the answer; each with the reason (docs/openai_api.md lists them).
 IGNORED_FIELDS: dict[str, str] = {
     "user": "an end-user id for abuse monitoring; it does not change the output",
     "metadata": "tags for stored completions; nothing is stored",

@@ -1,7 +1,9 @@
 """The engine worker: a plain class (tests drive it without Ray) and its Ray actor shell.
 
-Each method is a line or two over the parts it composes: ``WorkerCore`` (engine, agent, loop,
+Its request methods delegate to the parts it composes: ``WorkerCore`` (engine, agent, loop,
 requests, output streams), ``PrefillSide`` on a prefill worker, ``DecodeSide`` on a decode worker.
+What it does itself is the lifecycle: describing the worker once its graphs are captured
+(``ready``), health (``check_health``), the stats it reports, and the ``call`` extension point.
 Tokens never travel as the return value of a request's call: they go to the caller's output
 stream (``outputs``), one message per engine step for all of that caller's requests.
 """

@@ -12,7 +12,7 @@ from typing import Any
 
 from bench.launch import ServeProcess
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+SERVE_DOC = Path(__file__).resolve().parents[2] / "docs" / "serve.md"
 
 
 @contextlib.contextmanager
@@ -108,8 +108,8 @@ class Shared:
 
 
 def readme_metrics() -> list[str]:
-    """The metric names that README.md's Metrics section lists (``ray_moriio_...``)."""
-    section = README.read_text().split("\n## Metrics\n", 1)[1].split("\n## ", 1)[0]
+    """The metric names that docs/serve.md's Metrics section lists (``ray_moriio_...``)."""
+    section = SERVE_DOC.read_text().split("\n### Metrics (Prometheus)\n", 1)[1].split("\n### ", 1)[0]
     return sorted(set(re.findall(r"`(ray_moriio_[a-z_]+)`", section)))
 
 

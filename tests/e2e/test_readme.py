@@ -1,17 +1,18 @@
-"""Every code block of README.md is run (or named here with the test that covers it) and, where the
-README shows an answer, gives that answer.
+"""Every code block of README.md and docs/*.md is run (or named here, with the test that covers it)
+and, where the page shows an answer, gives that answer.
 
 A block directly followed by a ``text`` block prints that text; in it ``…`` stands for any run of
-characters (ids, timestamps). The curl and ``openai`` blocks talk to ``serve run`` on the config
-that ``make serve`` serves (the Makefile's ``CONFIG``), started once for the module on a free
-port; the "From Python" block runs as a script with its own local Ray. Blocks that cannot run here
-(GPU benchmarks, multi-minute benchmarks, ``make test`` itself) are listed in ``NOT_RUN`` with the
-reason; a block that is in neither list fails the test, so a new README example must be wired in.
+characters (ids, timestamps). Blocks that talk to ``localhost:8000`` run against ``serve run``: on
+the config that ``make serve`` serves (the Makefile's ``CONFIG``), started once for the module, or,
+for blocks that name the ``tiny`` model, on ``configs/tiny_1p1d_cpu.yaml`` (the session's shared
+server). Other ``python`` blocks run as scripts, each with its own local Ray where it starts one.
+Benchmark commands are parsed with their script's own parser (``tests/unit/test_docs.py``), not run:
+they take minutes. The rest are in ``NOT_RUN`` with the reason; a block in no category fails the
+test, so a new example must be wired in.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import re
 import shutil
 import subprocess
@@ -23,62 +24,48 @@ from pathlib import Path
 import pytest
 
 from bench.launch import ServeProcess
-from tests.e2e.serving import running
+from tests.docs_blocks import ROOT, Block, doc_blocks, is_bench_commands
+from tests.e2e.serving import Shared, running
 
-ROOT = Path(__file__).resolve().parents[2]
-README = ROOT / "README.md"
-
-# first line of a block -> why this test does not run it
+# (page, first line of a block) -> why this test does not run it
 NOT_RUN = {
-    "make serve": "make test runs this test; make serve is `serve run $(CONFIG)`, which the fixture runs",
-    "python -m bench.transfer_bench": "a benchmark of minutes; its record: bench/results/transfer_bench.json",
-    "python bench/transfer_gpu_bench.py": "needs two NVIDIA GPUs",
-    "python bench/engine_bench.py": "needs an NVIDIA GPU",
-    "python bench/serving.py": "a benchmark of minutes (its GPU run needs an H200); records: "
-    "bench/results/serving_*.json, handoff_*, prefix_*, n_choices_*, serve_cpu.json",
-    "python -m bench.control_plane": "a benchmark of minutes; tests/integration/test_control_plane.py "
-    "runs it bounded at N = 64; its record: bench/results/control_plane.json",
-    "controller_options:": "a Serve config fragment; tests/unit/test_configs.py checks it in every config",
-    "# 1. on the head node": "the multi-node steps: tests/e2e/test_multinode_docs.py runs them (same block)",
+    ("README.md", "make serve"): "make test runs this test; make serve is `serve run $(CONFIG)`, which the "
+    "fixture runs",
+    ("README.md", "python -m venv .venv"): "the Makefile's install target runs these steps (test_docs checks "
+    "that the two agree)",
+    ("README.md", "# 1. on the head node"): "the multi-node steps: tests/e2e/test_multinode_docs.py runs "
+    "them",
+    ("docs/serve.md", "make serve CONFIG="): "the tiny server that the served blocks below run against is "
+    "this command's `serve run`",
+    ("docs/serve.md", "controller_options:"): "a Serve config fragment; tests/unit/test_configs.py checks "
+    "it against every config",
+    ("docs/serve.md", "# 1. on the head node"): "the multi-node steps: tests/e2e/test_multinode_docs.py runs "
+    "them",
+    ("docs/amd_mori.md", "pip install -e '.[rocm]'"): "needs ROCm and amd-mori",
+    ("docs/amd_mori.md", "transfer:"): "a config fragment; tests/unit/test_docs.py parses it as a pipeline "
+    "config",
+    ("docs/cuda_ipc.md", "from moriio_ray.transfer.cuda_devices import"): "a sketch inside a Ray actor on "
+    "GPUs; tests/gpu/test_cuda_ray.py runs it",
 }
 
 
-@dataclasses.dataclass
-class Block:
-    heading: str
-    lang: str
-    code: str
-    expected: str | None  # the text block right after it, if any
-
-    @property
-    def first_line(self) -> str:
-        return self.code.strip().splitlines()[0]
+def _not_run(block: Block) -> str | None:
+    for (page, key), why in NOT_RUN.items():
+        if block.page == page and block.first_line.startswith(key):
+            return why
+    return None
 
 
-def readme_blocks() -> list[Block]:
-    blocks: list[Block] = []
-    heading, lines = "", README.read_text().splitlines()
-    last_end = -10  # line of the last closing fence
-    i = 0
-    while i < len(lines):
-        line = lines[i]
-        if line.startswith("#") and not line.startswith("#!"):
-            heading = line.lstrip("#").strip()
-        if line.startswith("```"):
-            lang, body, start = line[3:].strip(), [], i
-            i += 1
-            while not lines[i].startswith("```"):
-                body.append(lines[i])
-                i += 1
-            code = "\n".join(body) + "\n"
-            # an output block follows its code block, with at most a blank line between them
-            if lang == "text" and blocks and blocks[-1].expected is None and start - last_end <= 2:
-                blocks[-1].expected = code
-            else:
-                blocks.append(Block(heading, lang, code, None))
-            last_end = i
-        i += 1
-    return blocks
+def _served(block: Block) -> bool:
+    return "localhost:8000" in block.code
+
+
+def _tiny(block: Block) -> bool:
+    return re.search(r"""model["']?\s*[:=]\s*["']tiny["']""", block.code) is not None
+
+
+def _script(block: Block) -> bool:
+    return block.lang == "python" and not _served(block) and _not_run(block) is None
 
 
 def _matches(expected: str, actual: str) -> bool:
@@ -93,10 +80,6 @@ def _make_default_config() -> Path:
     assert "serve run $(CONFIG)" in makefile
     line = next(ln for ln in makefile.splitlines() if ln.startswith("CONFIG ?="))
     return ROOT / line.split("?=", 1)[1].strip()
-
-
-def _not_run(block: Block) -> str | None:
-    return next((why for key, why in NOT_RUN.items() if block.first_line.startswith(key)), None)
 
 
 @pytest.fixture(scope="module")
@@ -124,42 +107,55 @@ def _run(block: Block, server: ServeProcess | None, timeout_s: float) -> str:
         )
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    assert done.returncode == 0, f"{block.heading}: {block.first_line!r} failed:\n{done.stderr[-3000:]}"
+    assert done.returncode == 0, f"{block}: failed:\n{done.stderr[-3000:]}"
     return done.stdout
 
 
 def _check(block: Block, out: str) -> None:
-    assert out.strip(), f"{block.first_line!r} printed nothing"
+    assert out.strip(), f"{block} printed nothing"
     if block.expected is not None:
-        assert _matches(block.expected, out), f"README shows:\n{block.expected}\nit printed:\n{out}"
+        assert _matches(block.expected, out), f"{block} shows:\n{block.expected}\nit printed:\n{out}"
 
 
 @pytest.mark.timeout(30)
 def test_every_block_is_run_or_named() -> None:
-    blocks = readme_blocks()
-    served = [b for b in blocks if "localhost:8000" in b.code]
-    scripts = [b for b in blocks if b.heading == "From Python"]
-    assert served and scripts
+    blocks = doc_blocks()
+    assert any(_served(b) and b.page == "README.md" for b in blocks)
+    assert any(_script(b) and b.page == "README.md" for b in blocks)
     for block in blocks:
-        assert block in served or block in scripts or _not_run(block), (
-            f"README block not wired: {block.first_line!r}"
+        assert _served(block) or _script(block) or is_bench_commands(block) or _not_run(block), (
+            f"block not wired: {block}"
         )
-    for key in NOT_RUN:
-        assert any(b.first_line.startswith(key) for b in blocks), (
-            f"NOT_RUN names a block the README lost: {key!r}"
+    for page, key in NOT_RUN:
+        assert any(b.page == page and b.first_line.startswith(key) for b in blocks), (
+            f"NOT_RUN names a block that {page} lost: {key!r}"
         )
-    steps = next(b for b in blocks if b.first_line.startswith("# 1. on the head node")).code
-    serve_md = (ROOT / "docs" / "serve.md").read_text()
-    assert steps in serve_md, "the README's multi-node steps must equal docs/serve.md's (which a test runs)"
+    steps = [b.code for b in blocks if b.first_line.startswith("# 1. on the head node")]
+    assert len(steps) == 2 and steps[0] == steps[1], (
+        "the README's multi-node steps must equal docs/serve.md's (test_multinode_docs.py runs them)"
+    )
 
 
 @pytest.mark.timeout(420)
 def test_served_blocks_answer_as_printed(server: ServeProcess) -> None:
-    for block in (b for b in readme_blocks() if "localhost:8000" in b.code):
+    blocks = [b for b in doc_blocks() if _served(b) and not _tiny(b)]
+    assert blocks
+    for block in blocks:
         _check(block, _run(block, server, timeout_s=120))
 
 
 @pytest.mark.timeout(420)
-def test_from_python_block_answers_as_printed() -> None:
-    for block in (b for b in readme_blocks() if b.heading == "From Python"):
+def test_tiny_served_blocks_run(tiny_serve: Shared) -> None:
+    blocks = [b for b in doc_blocks() if _served(b) and _tiny(b)]
+    assert blocks
+    proc = tiny_serve.get()
+    for block in blocks:
+        _check(block, _run(block, proc, timeout_s=120))
+
+
+@pytest.mark.timeout(600)
+def test_script_blocks_answer_as_printed() -> None:
+    blocks = [b for b in doc_blocks() if _script(b)]
+    assert {b.page for b in blocks} >= {"README.md", "docs/engine.md"}
+    for block in blocks:
         _check(block, _run(block, None, timeout_s=400))

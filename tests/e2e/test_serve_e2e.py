@@ -286,7 +286,7 @@ def test_metrics_on_rays_prometheus_endpoint(server: ServeProcess, client: opena
     assert server.get("/stats")[0] == 200  # the block gauges are set when the workers report
     targets = server.metrics_targets()
     assert targets, "Ray wrote no Prometheus service-discovery file"
-    # every metric README lists; failures_total has a sample only once a failure happened
+    # every metric docs/serve.md lists; failures_total has a sample only once a failure happened
     # (tests/integration/test_http_failures.py causes one and checks it)
     names = [n for n in readme_metrics() if n != "ray_moriio_failures_total"]
     assert len(names) == 10, names  # the prefix-cache gauges included

@@ -1,4 +1,4 @@
-"""README "Failures", rule by rule, through one running pipeline (1P2D, tcp, READ) on the CPU:
+"""docs/architecture.md "Failures", rule by rule, through one running pipeline (1P2D, tcp, READ) on the CPU:
 the cluster token, stop strings and log probabilities, a lease left to expire, D's read margin,
 KV blocks running out, a call that never answers, P dying during D's read, an engine fault, and
 workers that are stuck but alive. Each test leaves the pool whole (it waits for any replacement)

@@ -111,7 +111,7 @@ def test_stop_strings_and_logprobs_over_http(url: str, pool: Pool) -> None:
 @pytest.mark.timeout(120)
 def test_every_metric_the_readme_lists_is_exported(url: str, pool: Pool) -> None:
     """One read that misses its deadline (a failure, recomputed) among the requests so far; the
-    node's Prometheus endpoint then has a sample of each metric README lists."""
+    node's Prometheus endpoint then has a sample of each metric docs/serve.md lists."""
     pool.call(D, delay_transfers, TRANSFER_TIMEOUT_S + 30.0)
     try:
         status, body = post(url, "/v1/completions", {**LONG, "max_tokens": 4})

@@ -79,9 +79,9 @@ def test_config_runs_serve_in_the_fast_mode(path: Path) -> None:
 
 
 @pytest.mark.timeout(10)
-def test_readme_shows_the_fast_path_block_the_configs_carry() -> None:
+def test_the_docs_show_the_fast_path_block_the_configs_carry() -> None:
     from moriio_ray.serve.serve_mode import FAST_ENV, controller_env
 
-    readme = (CONFIGS[0].parents[1] / "README.md").read_text()
+    readme = (CONFIGS[0].parents[1] / "docs" / "serve.md").read_text()
     block = readme.split("```yaml\ncontroller_options:", 1)[1].split("```", 1)[0]
     assert controller_env(yaml.safe_load("controller_options:" + block)) == FAST_ENV

@@ -94,5 +94,5 @@ def test_the_trimmed_copy_names_its_source_and_the_docs_name_the_same_commit() -
     info = source()
     assert info["repository"] == "openai/openai-openapi" and len(info["commit"]) == 40
     assert (SCHEMAS_FILE.parent / "LICENSE.openai-openapi").read_text().startswith("The MIT License")
-    for doc in (SCHEMAS_FILE.parent / "README.md", ROOT / "README.md"):
+    for doc in (SCHEMAS_FILE.parent / "README.md", ROOT / "docs" / "openai_api.md"):
         assert info["commit"][:12] in doc.read_text(), f"{doc.name} does not name the spec's commit"
