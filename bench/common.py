@@ -8,8 +8,11 @@ import json
 import math
 import os
 import platform
+import re
+import shlex
 import statistics
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -89,24 +92,65 @@ def cpu_model() -> str:
         return platform.processor() or platform.machine()
 
 
+def command_line(argv: list[str] | None = None) -> str:
+    """``argv`` (default: this process's, interpreter first) as a user types it in the repository's
+    root: ``python``, then ``-m bench.x`` or the script, shell-quoted, every path repo-relative."""
+    words = argv if argv is not None else getattr(sys, "orig_argv", None) or [sys.executable, *sys.argv]
+    return shlex.join(["python", *(_shown_word(w) for w in words[1:])])
+
+
+def _shown_word(word: str) -> str:
+    """A word of a command line with the path in it, if any, as a record names it (``--out=/x`` and
+    ``model.path=/x`` too)."""
+    if _is_path(word):
+        return repo_path(Path(word).expanduser())
+    key, eq, value = word.partition("=")
+    return key + eq + _shown_word(value) if eq and re.fullmatch(r"[\w.\-]+", key) else word
+
+
+def _is_path(word: str) -> bool:
+    """Absolute, from home, or an existing file named with a folder or an extension."""
+    if word.startswith(("/", "~")):
+        return True
+    return ("/" in word or "." in word) and os.path.exists(word)
+
+
+def machine_line(cpu: str, cpu_count: int | None, gpus: list[str]) -> str:
+    """The host in one line: its GPUs by name and count, then its cores and CPU model."""
+    if not gpus:
+        return f"{cpu_count} cores ({cpu}), no GPU"
+    counts = {name: gpus.count(name) for name in dict.fromkeys(gpus)}
+    shown = ", ".join(f"{'one' if n == 1 else n} {name}" for name, n in counts.items())
+    return f"{shown}, {cpu_count} host cores ({cpu})"
+
+
 def run_record(benchmark: str, args: dict[str, Any], commit: str | None = None) -> dict[str, Any]:
-    """The head of every result file: what ran, at which commit, on what host (paths repo-relative)."""
+    """The head of every result file: first ``record`` (the commit, the machine in one line and the
+    command that ran), then what ran, on what host, with which arguments (paths repo-relative)."""
     host: dict[str, Any] = {
         "cpu": cpu_model(),
         "cpu_count": os.cpu_count(),
         "python": platform.python_version(),
     }
+    gpus: list[str] = []
     try:
         import torch
 
         host["torch"] = torch.__version__
         if torch.cuda.is_available():
             host["gpu"] = torch.cuda.get_device_name()
+            gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     except ImportError:
         pass
     host["load_avg_1m_before"] = os.getloadavg()[0]
     shown = {k: repo_path(v) if isinstance(v, Path) else v for k, v in args.items() if k != "out"}
-    return {"benchmark": benchmark, "commit": commit or git_commit(), "host": host, "args": shown}
+    commit = commit or git_commit()
+    record = {
+        "commit": commit,
+        "machine": machine_line(host["cpu"], host["cpu_count"], gpus),
+        "command": command_line(),
+    }
+    return {"record": record, "benchmark": benchmark, "commit": commit, "host": host, "args": shown}
 
 
 def write_json(path: Path, doc: dict[str, Any]) -> None:

@@ -264,7 +264,7 @@ def log(text: str) -> None:
     print(f"[control_plane {time.strftime('%H:%M:%S')}] {text}", flush=True)
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", type=csv(int), default=[16, 128, 1000], help="engine counts N")
     ap.add_argument("--callers", type=int, default=100)
@@ -280,7 +280,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--scale-up", type=int, default=8, help="engines added in the scale-up event")
     ap.add_argument("--out", type=Path, default=RESULTS / "control_plane.json")
     ap.add_argument("--no-plot", action="store_true")
-    return ap.parse_args(argv)
+    return ap
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return parser().parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -309,7 +309,7 @@ def scenario(a: argparse.Namespace) -> tuple[dict[str, Any], Callable[[Any, Path
     return {"results": results}, plot
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add = p.add_argument
     add("--scenario", default="throughput", choices=["throughput", "long-prompt", "closed-loop"])
@@ -348,7 +348,11 @@ def main() -> None:
     add("--output-range", type=int, nargs=2, default=[16, 128])
     add("--tag", default="", help="suffix of the result files")
     add("--out", type=Path, default=RESULTS)
-    a = p.parse_args()
+    return p
+
+
+def main() -> None:
+    a = parser().parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)  # on a shared host, spinning OpenMP threads distort timings
     record = run_record(f"engine_bench --scenario {a.scenario}", vars(a))

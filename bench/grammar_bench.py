@@ -88,16 +88,18 @@ def run(name: str, tok: Any, vocab: int, docs: list[str]) -> dict[str, Any]:
     return out | {"accept_us_median": percentile(accept_us, 0.5), "per_token_us_mean": per_token}
 
 
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="", help="model.path (its tokenizer); default: --preset")
+    p.add_argument("--preset", default="tiny")
+    p.add_argument("--docs", type=int, default=21)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=RESULTS)
+    return p
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--model", default="", help="model.path (its tokenizer); default: --preset")
-    parser.add_argument("--preset", default="tiny")
-    parser.add_argument("--docs", type=int, default=21)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=RESULTS)
-    a = parser.parse_args()
+    a = parser().parse_args()
     config = ModelConfig(path=a.model) if a.model else ModelConfig(preset=a.preset)
     tok = load_tokenizer(config)
     vocab = tok.vocab_size

@@ -308,10 +308,14 @@ def render(report: dict[str, Any], stem: Path) -> None:
     print("\n" + text, flush=True)
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("result", type=Path, help="a JSON written by bench/serving.py")
-    path = p.parse_args().result
+    return p
+
+
+def main() -> None:
+    path = parser().parse_args().result
     render(json.loads(path.read_text()), path.with_suffix(""))
 
 

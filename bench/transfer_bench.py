@@ -299,14 +299,16 @@ def plot(rows: list[dict[str, Any]], refs: dict[str, float], goal: float, path: 
     save(fig, path)
 
 
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="8 MiB per point, 4-64 KiB, 1 rep (a smoke test)")
+    p.add_argument("--reps", type=int, default=9)
+    p.add_argument("--out", type=Path, default=RESULTS)
+    return p
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument(
-        "--quick", action="store_true", help="8 MiB per point, 4-64 KiB, 1 rep (a smoke test)"
-    )
-    parser.add_argument("--reps", type=int, default=9)
-    parser.add_argument("--out", type=Path, default=RESULTS)
-    args = parser.parse_args(argv)
+    args = parser().parse_args(argv)
     total = 8 * MiB if args.quick else 256 * MiB
     sizes, reps = [4 * KiB << i for i in range(5 if args.quick else 10)], 1 if args.quick else args.reps
     goal = load_goals("transfer_cpu")

@@ -257,7 +257,7 @@ def load(
 # -- the summary, the goals and the plot ------------------------------------------------------------
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--gpus", type=int, choices=(1, 2), default=1, help="2: D on cuda:1")
@@ -271,7 +271,11 @@ def main() -> None:
     ap.add_argument("--deadline-s", type=float, default=480.0, help="start no new variant after this")
     ap.add_argument("--commit", default="", help="the commit measured (default: git describe)")
     ap.add_argument("--name", default="transfer_gpu", help="stem of the JSON and PNG written under --out")
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = parser().parse_args()
     _deadline[0] = time.monotonic() + args.deadline_s
     out, phases = args.out, set(filter(None, args.phases.split(",")))
     out.mkdir(parents=True, exist_ok=True)
