@@ -153,12 +153,14 @@ def markdown(report: dict[str, Any]) -> str:
     load, each transport against the Python API, and the handoff breakdown where measured."""
     names, lens, columns = series_of(report), report["grid"]["prompt_lens"], loads(report)
     decode = report.get("engine_decode_only") or {}
-    lines = [
+    head = (
         f"Output tokens/s (ratio to the bare engine at the same load), {report['grid']['output_tokens']} "
-        f"output tokens per request; bare engine decode-only at batch {decode.get('batch')}: "
-        f"{decode.get('decode_tok_s') or 0:,.0f} tok/s.",
-        "",
-    ]
+        "output tokens per request"
+    )
+    if decode:
+        rate = decode.get("decode_tok_s") or 0
+        head += f"; bare engine decode-only at batch {decode.get('batch')}: {rate:,.0f} tok/s"
+    lines = [head + ".", ""]
     rows = []
     for name in names:
         for n in lens:

@@ -68,6 +68,7 @@ def parser() -> argparse.ArgumentParser:
     add("--workload", default="random", choices=["random", "shared-prefix", "n-choices"])
     add("--device", default="auto", choices=["auto", "cpu", "cuda"])
     add("--config", type=Path, help="the Serve config every system derives from (default by device)")
+    add("--url", help="a server already running (http://host:port): drive it over HTTP, start nothing")
     add("--systems", type=csv(str), help=f"{','.join(SYSTEMS)} (CPU default: engine,colocated,read)")
     add("--transports", type=csv(str), default=list(TRANSPORTS), help=",".join(TRANSPORTS))
     add("--serve-modes", type=csv(str), default=list(MODES), help="http: Serve's proxy, HAProxy")
@@ -115,6 +116,10 @@ def defaults(a: argparse.Namespace, p: argparse.ArgumentParser) -> None:
     a.prompt_lens = a.prompt_lens or ([1024] if w != "random" else [128] if cpu else [128, 1024])
     a.backends = a.backends or ["shm" if cpu else "cuda_ipc"]
     a.tag = a.tag or ("cpu" if cpu else "gpu")
+    if a.url is not None:
+        if w != "random" or not a.url.startswith(("http://", "https://")):
+            p.error("--url: an http:// address, with the random workload only")
+        a.url, a.systems, a.transports, a.serve_modes = a.url.rstrip("/"), [], ["http"], []
     for name, allowed in (("systems", SYSTEMS), ("transports", TRANSPORTS), ("serve_modes", MODES)):
         if bad := [x for x in getattr(a, name) if x not in allowed]:
             p.error(f"--{name.replace('_', '-')}: {bad[0]!r} is not one of {', '.join(allowed)}")
@@ -281,6 +286,11 @@ def system_args(a: argparse.Namespace, system: str, backend: str | None = None, 
 def random_workload(a: argparse.Namespace, report: dict[str, Any], work: Path) -> None:
     from bench.launch import ServeProcess
 
+    if a.url is not None:  # a server someone else started: its model and config are its own
+        report["server"] = {"url": a.url, "models": served_models(a.url)}
+        asyncio.run(run_series(a, report, "server/http", http_cell(a.url, a)))
+        return
+
     if "engine" in a.systems:
         try:
             if a.device == "cpu":
@@ -328,6 +338,15 @@ def random_workload(a: argparse.Namespace, report: dict[str, Any], work: Path) -
                         asyncio.run(run_series(a, report, series, http_cell(server.base_url, a)))
                 except Exception as exc:
                     fail(report, series, f"serve run failed: {describe(exc)}")
+
+
+def served_models(url: str) -> list[str]:
+    """The model names a running server answers ``GET /v1/models`` with (it must be reachable)."""
+    import json
+    import urllib.request
+
+    with urllib.request.urlopen(url + "/v1/models", timeout=10) as resp:
+        return [m["id"] for m in json.load(resp)["data"]]
 
 
 async def _sync(records: list[Record]) -> tuple[list[Record], dict[str, Any]]:
