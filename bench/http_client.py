@@ -1,7 +1,7 @@
 """A lean streaming client for ``POST /v1/completions``: HTTP/1.1 and SSE parsed incrementally with no
 HTTP library (at tens of thousands of SSE events per second httpx saturates a core), the load
 drivers (closed loop, Poisson arrivals), and ``run_http_cell``, which spreads a cell over child
-processes running this file (``python bench/http_client.py`` reads a plan on stdin, answers
+processes running this file (``python -m bench.http_client`` reads a plan on stdin, answers
 ``ready``, waits for ``go``, and prints its records and CPU time as JSON). No torch, no Ray.
 
 Times are ``time.perf_counter()`` readings: CLOCK_MONOTONIC on Linux, shared by every process."""
@@ -29,6 +29,7 @@ from bench.http_wire import (
 )
 
 T = TypeVar("T")
+_ROOT = str(Path(__file__).resolve().parents[1])
 _READ_BYTES = 1 << 16
 
 
@@ -294,8 +295,8 @@ async def run_http_cell(
                 at_s=None if at_s is None else [at_s[i] for i in idx],
                 timeout_s=timeout_s,
             )
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable, str(Path(__file__).resolve()), stdin=-1, stdout=-1, stderr=-1
+            proc = await asyncio.create_subprocess_exec(  # as a module of the repo, whatever the cwd
+                sys.executable, "-m", "bench.http_client", stdin=-1, stdout=-1, stderr=-1, cwd=_ROOT
             )
             procs.append(proc)
             assert proc.stdin is not None

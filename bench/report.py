@@ -54,8 +54,39 @@ def cell_line(cell: dict[str, Any]) -> str:
         parts.append(f"{s['tokens_per_chunk'] or 0:.1f} tokens/event, client CPU {use:.0%}")
     elif cell.get("wall_s"):
         parts.append(f"driver CPU {cell['caller_cpu_s'] / cell['wall_s']:.0%}")
+    per_1k = cpu_per_1k(cell)
+    if per_1k:
+        parts.append(f"CPU {sum(per_1k.values()):,.0f} ms per 1k tokens")
     parts.append(f"{cell.get('wall_s', 0.0):.1f} s")
     return f"{head} " + ", ".join(parts + [f"errors: {e}" for e in s["errors"][:1]])
+
+
+def cpu_per_1k(cell: dict[str, Any]) -> dict[str, float]:
+    """CPU milliseconds per 1,000 output tokens of each part (the Ray daemons' own left out)."""
+    tokens = (cell.get("summary") or {}).get("output_tokens") or 0
+    spent = cell.get("cpu_s") or {}
+    return {part: s / tokens * 1e6 for part, s in spent.items() if part != "ray"} if tokens else {}
+
+
+PARTS = ("caller", "ingress", "haproxy", "worker:colocated", "worker:prefill", "worker:decode", "client")
+
+
+def cpu_table(report: dict[str, Any]) -> list[str]:
+    """CPU ms per 1,000 output tokens by process, one row per cell that measured it."""
+    rows = []
+    for cell in report.get("cells", []):
+        per_1k = cpu_per_1k(cell)
+        if not per_1k:
+            continue
+        shown = [f"{per_1k[p]:,.0f}" if p in per_1k else "" for p in PARTS]
+        rest = sum(v for p, v in per_1k.items() if p not in PARTS)
+        rows.append([cell["series"], str(cell["prompt_len"]), cell["load"], *shown, f"{rest:,.0f}"])
+        rows[-1].append(f"{sum(per_1k.values()):,.0f}")
+    if not rows:
+        return []
+    head = ["series", "prompt", "load", *PARTS, "other", "all"]
+    title = "CPU ms per 1,000 output tokens, by process (Ray's own daemons left out)."
+    return ["", title, "", *_table(head, rows)]
 
 
 def find(report: dict[str, Any], series: str, load: str, prompt: int) -> dict[str, Any] | None:
@@ -219,6 +250,7 @@ def markdown(report: dict[str, Any]) -> str:
         lines += _table(
             ["series", "load", "prompt", "handoff", "P -> D", "on D", "raw transfer", "TTFT"], rows
         )
+    lines += cpu_table(report)
     return "\n".join(lines) + "\n"
 
 

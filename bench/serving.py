@@ -39,6 +39,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, for bench and moriio_ray
 
+from bench import cpu_account
 from bench import report as rep
 from bench.common import (
     RESULTS,
@@ -214,9 +215,16 @@ def http_cell(base_url: str, a: argparse.Namespace) -> Cell:
 # -- the run ---------------------------------------------------------------------------------------
 
 
-async def run_series(a: argparse.Namespace, report: dict[str, Any], series: str, cell: Cell) -> None:
+async def run_series(
+    a: argparse.Namespace,
+    report: dict[str, Any],
+    series: str,
+    cell: Cell,
+    workers: dict[int, str] | None = None,
+) -> None:
     """Warm up (unrecorded: --warmup requests, then one wave at the top concurrency, so that most CUDA
-    graphs exist before the first measured cell), then every (prompt length, load) cell."""
+    graphs exist before the first measured cell), then every (prompt length, load) cell, each with
+    the CPU seconds of every process by part (``workers``: the engines' pids and roles)."""
     loads: list[Load] = [("c", c) for c in a.concurrency] + [("rate", r) for r in a.rates]
     top = max(a.concurrency, default=min(a.warmup, 8))
     for length in a.prompt_lens if a.warmup else []:
@@ -229,7 +237,7 @@ async def run_series(a: argparse.Namespace, report: dict[str, Any], series: str,
             for load in loads:
                 batch = prompts(cell_requests(a, load), length, a.seed, a.long_fraction, a.long_len)
                 entry: dict[str, Any] = {"series": series, "load": label(load), "prompt_len": length}
-                t0, cpu0 = time.perf_counter(), time.process_time()
+                t0, cpu0, procs0 = time.perf_counter(), time.process_time(), cpu_account.take(workers)
                 try:
                     records, extra = await cell(batch, load)
                     entry |= {"wall_s": time.perf_counter() - t0, "caller_cpu_s": time.process_time() - cpu0}
@@ -238,6 +246,9 @@ async def run_series(a: argparse.Namespace, report: dict[str, Any], series: str,
                         "summary": summarize(records, a.output_tokens),
                         "raw": raw_rows(records),
                     }
+                    entry["cpu_s"] = cpu_account.spent(procs0, cpu_account.take(workers))
+                    if "client" in extra:  # its processes have ended: their own count
+                        entry["cpu_s"]["client"] = sum(extra["client"]["cpu_s"])
                 except Exception as exc:  # one cell's failure is recorded; the run goes on
                     entry["error"] = describe(exc)
                 report["cells"].append(entry)
@@ -326,7 +337,9 @@ def random_workload(a: argparse.Namespace, report: dict[str, Any], work: Path) -
                     fail(report, f"{name}/python", f"launch failed: {describe(exc)}")
                 else:
                     try:
-                        asyncio.run(run_series(a, report, f"{name}/python", python_cell(pipe, a)))
+                        workers = cpu_account.worker_pids(pipe.stats())
+                        series = f"{name}/python"
+                        asyncio.run(run_series(a, report, series, python_cell(pipe, a), workers))
                     finally:
                         pipe.shutdown()
             for mode in a.serve_modes if "http" in a.transports else []:
@@ -335,7 +348,8 @@ def random_workload(a: argparse.Namespace, report: dict[str, Any], work: Path) -
                     t0 = time.perf_counter()
                     with ServeProcess(serve_file(a, args, mode, work)) as server:
                         report["startup_s"][series] = time.perf_counter() - t0
-                        asyncio.run(run_series(a, report, series, http_cell(server.base_url, a)))
+                        workers = cpu_account.worker_pids(server.get("/stats")[1])
+                        asyncio.run(run_series(a, report, series, http_cell(server.base_url, a), workers))
                 except Exception as exc:
                     fail(report, series, f"serve run failed: {describe(exc)}")
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import os
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -123,6 +124,7 @@ class EngineWorker:
         reserved = sum(rec.reservation is not None for rec in c.table.records())
         return {
             "key": c.key,
+            "pid": os.getpid(),  # which process is this worker (CPU accounting, profilers)
             "role": self.role.value,
             "epoch": c.epoch,
             "device": str(c.engine.device),
