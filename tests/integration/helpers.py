@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any
 
+from moriio_ray import PDPipeline
 from moriio_ray.config import PipelineConfig, parse_pipeline_config
 
 NUM_BLOCKS = 256
@@ -101,3 +102,34 @@ def assert_no_leaks(pipe: Any, timeout_s: float = 10.0) -> None:
         wait_until(clean, timeout_s, "every engine's blocks to be free again")
     except AssertionError as exc:
         raise AssertionError(f"{exc}: {last}") from None
+
+
+class Pipelines:
+    """A module's pipelines, shared by its tests: each launched on first use (``config(key)``), shut
+    down by the test that uses it last (``close``) or at the module's end (``close_all``). A test
+    that kills a worker leaves the pool whole again (it waits for the replacement) before the next
+    test gets the pipeline."""
+
+    def __init__(self, config: Callable[[Any], PipelineConfig]) -> None:
+        self.config = config
+        self.open: dict[Hashable, PDPipeline] = {}
+
+    def get(self, key: Hashable) -> PDPipeline:
+        if key not in self.open:
+            self.open[key] = PDPipeline.launch(self.config(key))
+        return self.open[key]
+
+    def close(self, key: Hashable) -> None:
+        pipe = self.open.pop(key, None)
+        if pipe is not None:
+            pipe.shutdown()
+
+    def close_all(self) -> None:
+        for key in list(self.open):
+            self.close(key)
+
+    def __enter__(self) -> Pipelines:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close_all()
