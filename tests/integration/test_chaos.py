@@ -1,7 +1,7 @@
 """A bounded chaos run: workers killed under load, with some requests cancelled, in READ and WRITE.
 
 Requests stream through a 2P2D pipeline (8 in flight) while a killer takes down a random prefill
-worker and a random decode worker, one at a time (2-4 s apart, each once the previous victim's
+worker and a random decode worker, one at a time (0.5-1.5 s apart, each once the previous victim's
 replacement serves), and about 10 % of the requests are cancelled at a random point. Checks, for every
 request: it ends (no request outlives its bound), a completed one carries exactly the colocated
 engine's greedy tokens, a failed one fails with a typed error (``MoriioRayError``), never anything
@@ -27,13 +27,20 @@ from tests.integration.reference import colocated_tokens
 
 pytestmark = pytest.mark.usefixtures("ray_cpu")
 
-KILL_AFTER_S = (2.0, 4.0)  # the wait before each kill
+KILL_AFTER_S = (0.5, 1.5)  # the wait before each kill (a replacement's start takes seconds more)
 REPLACE_BOUND_S = 45.0  # a killed worker's replacement must be serving within this
 CONCURRENCY = 8
 CANCEL_SHARE = 0.10
 MAX_TOKENS = 32
 REQUEST_BOUND_S = 45.0  # no request may take longer than this, kills included
 PARAMS = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+PROMPTS = varied_prompts(24, seed=21)
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[list[int]]:
+    """PROMPTS' colocated tokens (both modes' runs are held against them)."""
+    return colocated_tokens(PROMPTS, PARAMS)
 
 
 @dataclass
@@ -114,10 +121,9 @@ def _killer(pipe: PDPipeline, name: str, rng: random.Random, killed: list[str]) 
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(("backend", "mode"), [("shm", "read"), ("shm", "write")])
-def test_kills_and_cancels_under_load(backend: str, mode: str) -> None:
+def test_kills_and_cancels_under_load(reference: list[list[int]], backend: str, mode: str) -> None:
     name = f"chaos-{backend}-{mode}"
-    prompts = varied_prompts(24, seed=21)
-    reference = colocated_tokens(prompts, PARAMS)
+    prompts = PROMPTS
     pipe = PDPipeline.launch(
         tiny_config(
             name,
