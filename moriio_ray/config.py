@@ -66,6 +66,33 @@ class TransferConfig(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
 # model and engine
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+SIM = "sim"  # the preset whose forward pass waits instead of computing (engine/sim_model.py)
+_BYTE_VOCAB_SIZE = 260  # the byte tokenizer's ids (engine/presets.BYTE_VOCAB_SIZE), which presets use
+
+
+class SimConfig(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
+    """The simulated model (``model.preset: sim``): each step takes ``step_fixed_ms +
+    step_per_decode_row_us * decode rows + step_per_prefill_token_us * prefill tokens`` of a
+    virtual device's time, over a real KV cache of this geometry. The default timing is
+    ``llama-1b`` in bfloat16 on one H200 (engine/sim_model.py gives the fit); the default geometry is
+    llama-1b's KV cache."""
+
+    step_fixed_ms: float = 1.14  # every step
+    step_per_decode_row_us: float = 4.29  # per decode row of a step
+    step_per_prefill_token_us: float = 3.96  # per prompt token a step computes
+    num_layers: int = 16
+    num_kv_heads: int = 8
+    head_dim: int = 64
+    vocab_size: int = _BYTE_VOCAB_SIZE  # the logits' width (their cost on the host grows with it)
+
+    def __post_init__(self) -> None:
+        _at_least(self, "step_fixed_ms", 0.0)
+        _at_least(self, "step_per_decode_row_us", 0.0)
+        _at_least(self, "step_per_prefill_token_us", 0.0)
+        _at_least(self, "num_layers", 1)
+        _at_least(self, "num_kv_heads", 1)
+        _at_least(self, "head_dim", 1)
+        _at_least(self, "vocab_size", _BYTE_VOCAB_SIZE)
 
 
 class ModelConfig(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
@@ -75,12 +102,13 @@ class ModelConfig(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
     package ships (``smollm2-135m-instruct``). With no ``path``, ``preset`` defaults to ``tiny``.
     """
 
-    preset: str | None = None  # tiny | llama-1b | qwen3-0.6b | llama-8b; tiny when path is unset
+    preset: str | None = None  # tiny | llama-1b | qwen3-0.6b | llama-8b | sim; tiny when path is unset
     path: str | None = None  # a directory, a .gguf file or a packaged model's name; never downloaded
     dtype: str = "auto"  # auto: bfloat16 on GPU, float32 on CPU
     seed: int = 0
     max_model_len: int | None = None  # None: the model's own
     served_name: str | None = None  # the name clients pass as `model`; default from preset/path
+    sim: SimConfig | None = None  # preset sim only: its timing and KV geometry (the defaults when unset)
 
     def __post_init__(self) -> None:
         if self.preset is not None and self.path is not None:
@@ -93,6 +121,11 @@ class ModelConfig(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
             _choice(self, "preset", PRESETS)
         elif not str(self.path).strip():
             raise ConfigError("path: must not be empty")
+        if self.preset == SIM:
+            msgspec.structs.force_setattr(self, "sim", self.sim or SimConfig())
+        elif self.sim is not None:
+            what = f"preset {self.preset!r}" if self.preset is not None else f"path {self.path!r}"
+            raise ConfigError(f"sim: only the simulated model takes it (model.preset: sim), not {what}")
         _choice(self, "dtype", DTYPES)
         if self.max_model_len is not None:
             _at_least(self, "max_model_len", 2)
@@ -107,7 +140,7 @@ class ModelConfig(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
         return path.stem if path.suffix == ".gguf" else path.name
 
 
-PRESETS = ("tiny", "llama-1b", "qwen3-0.6b", "llama-8b")
+PRESETS = ("tiny", "llama-1b", "qwen3-0.6b", "llama-8b", SIM)
 LAYOUTS = ("layer_major", "block_major")
 
 
@@ -122,7 +155,7 @@ class EngineConfig(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 4096  # tokens per step: every running decode, then prefill chunks
     chunked_prefill: bool = True  # False: a prompt is prefilled in one step, past the budget if need be
-    overlap_scheduling: bool | None = None  # None: on for CUDA engines, off on the CPU
+    overlap_scheduling: bool | None = None  # None: on for CUDA engines and preset sim, off on the CPU
     cuda_graphs: bool = True  # CUDA devices: decode steps replay graphs, captured before serving
     kernels: str = "auto"  # auto | torch | triton: the CUDA forward (auto: Triton kernels where installed)
     enable_prefix_caching: bool = True  # full blocks found again by their tokens, kept until evicted (LRU)
@@ -265,6 +298,19 @@ class PipelineConfig(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
     def __post_init__(self) -> None:
         if not _LABEL.match(self.name):
             raise ConfigError(f"name: {self.name!r} may hold only letters, digits and _.-/")
+        if self.model.preset == SIM:
+            if self.transfer.backend in ("cuda_ipc", "mori"):
+                raise ConfigError(
+                    f"transfer.backend: {self.transfer.backend!r} moves GPU memory, and the simulated model "
+                    "(model.preset: sim) keeps its KV cache in CPU memory; use shm or tcp"
+                )
+            for role in ("prefill", "decode", "colocated"):
+                rc: RoleConfig = getattr(self.pool, role)
+                if rc.replicas > 0 and rc.tensor_parallel_size > 1:
+                    raise ConfigError(
+                        f"pool.{role}.tensor_parallel_size: {rc.tensor_parallel_size}: the simulated model "
+                        "(model.preset: sim) runs one rank per engine; set 1"
+                    )
 
     @property
     def mode(self) -> str:

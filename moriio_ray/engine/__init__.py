@@ -10,6 +10,8 @@ Modules, one noun each (import them by full path; this package imports nothing, 
 - ``model``, ``layers``, ``arch``: the decoder, its blocks, ModelArgs
 - ``attention``, ``attention_prefill``: paged attention of a mixed batch (the kernel interface)
 - ``loader``, ``presets``, ``device``: weights from a local HF directory or seeded presets
+- ``sim_model``: the simulated model (``model.preset: sim``), whose steps wait on a virtual GPU's
+  timeline over a real KV cache, to show the runtime's own cost on the CPU
 - ``kv_cache``, ``block_allocator``: the paged cache and its reference-counted, leased blocks
 - ``fused_forward``, ``triton_attention``, ``triton_fused``: the CUDA forward with Triton kernels
 - ``pd_role``, ``admission``: the P/D hand-over (reservations, leases, the layer hook); what an

@@ -1,7 +1,9 @@
 """Device and dtype resolution for the engine (``auto`` means CUDA + bfloat16 when a GPU is visible),
-and the host-to-device moves of step inputs."""
+the host-to-device moves of step inputs, and what a launched step's completion offers."""
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -53,3 +55,11 @@ def device_tokens(ids: torch.Tensor, src: torch.Tensor, prev_tokens: torch.Tenso
     previous step's samples feed the next step without a trip through the host)."""
     assert prev_tokens is not None, "a token from the device, but no previous step's tokens"
     return torch.where(src >= 0, prev_tokens[src.clamp(min=0)], ids)
+
+
+class Completion(Protocol):
+    """The end of work launched on a device: a ``torch.cuda.Event``, or a simulated step's
+    (``sim_model.SimEvent``)."""
+
+    def synchronize(self) -> None:
+        """Block the calling thread until the work has run."""

@@ -103,7 +103,7 @@ class Engine(PDRole):
         )  # fmt: skip
         overlap = engine.overlap_scheduling
         # overlapped steps feed sampled tokens from the device, which a follower rank cannot see
-        self.overlap = (self.device.type == "cuda" if overlap is None else overlap) and tp.size == 1
+        self.overlap = (parts.runner.asynchronous if overlap is None else overlap) and tp.size == 1
         self._in_flight: InFlight | None = None  # overlap: the launched step not yet read back
         self.graphs = parts.graphs
         self.runner = parts.runner

@@ -26,14 +26,14 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from moriio_ray.config import ModelConfig
+from moriio_ray.config import SIM, ModelConfig
 from moriio_ray.engine.arch import ModelArgs, from_hf_config
 from moriio_ray.engine.gguf_arch import args_from_gguf
 from moriio_ray.engine.gguf_file import open_gguf
 from moriio_ray.engine.gguf_loader import load_gguf_weights
 from moriio_ray.engine.model import CausalLM
 from moriio_ray.engine.model_path import model_source
-from moriio_ray.engine.presets import Preset, get_preset
+from moriio_ray.engine.presets import Preset, get_preset, sim_args
 from moriio_ray.engine.tp import SINGLE, TPGroup, shard_args
 from moriio_ray.engine.tp_shard import WeightShards, apply_cut
 from moriio_ray.engine.weight_sink import WeightSink
@@ -42,6 +42,9 @@ from moriio_ray.errors import ConfigError
 
 def model_args(config: ModelConfig) -> ModelArgs:
     """The architecture a ModelConfig names (reads only metadata: ``config.json`` or the GGUF header)."""
+    if config.preset == SIM:
+        assert config.sim is not None  # ModelConfig fills it in
+        return sim_args(config.sim)
     if config.preset is not None:
         return get_preset(config.preset).args
     source = model_source(config)
@@ -73,6 +76,7 @@ def load_model(
 ) -> CausalLM:
     """A CausalLM on ``device`` in ``dtype``, with weights from the preset, the directory or the GGUF
     file; under tensor parallelism, rank ``tp.rank``'s share of it."""
+    assert config.preset != SIM, "the simulated model has no weights (rank.build_rank builds it)"
     args = model_args(config)
     shards = WeightShards(args, tp)
     with torch.device("meta"):

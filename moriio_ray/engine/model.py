@@ -132,6 +132,12 @@ class CausalLM(nn.Module):
                 layer_hook(i)
         return self.model.norm(x)
 
+    @property
+    def needs_attention_plan(self) -> bool:
+        """Whether the forward reads the runner's per-step attention precomputation (the torch path
+        does; the Triton forward reads none)."""
+        return not self.fused
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden [N, hidden_size] -> logits [N, vocab] float32
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

@@ -4,12 +4,14 @@
 well spread (logit std about 8; a median top-1/top-2 gap near 2, against float32 rounding of about
 1e-5), so greedy argmax never hinges on float rounding between batch compositions, while its
 outputs still depend on the whole context. The others copy the shapes of public checkpoints.
+``sim`` has no weights (``sim_model``): its architecture is its KV geometry, from ``model.sim``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+from moriio_ray.config import SIM, SimConfig
 from moriio_ray.engine.arch import ModelArgs, RopeArgs
 from moriio_ray.errors import ConfigError
 
@@ -33,6 +35,24 @@ _LLAMA3_ROPE = RopeArgs(
     high_freq_factor=4.0,
     original_max_position_embeddings=8192,
 )
+
+
+def sim_args(sim: SimConfig) -> ModelArgs:
+    """The simulated model's architecture: its KV cache's geometry and its vocabulary. It has no
+    weights, so the other sizes are nominal (one query head per KV head, llama-1b's context)."""
+    hidden_size = sim.num_kv_heads * sim.head_dim
+    return ModelArgs(
+        model_type="llama",
+        vocab_size=sim.vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=4 * hidden_size,
+        num_layers=sim.num_layers,
+        num_heads=sim.num_kv_heads,
+        num_kv_heads=sim.num_kv_heads,
+        head_dim=sim.head_dim,
+        max_position_embeddings=131072,
+    )
+
 
 PRESET_TABLE: dict[str, Preset] = {
     "tiny": Preset(
@@ -105,6 +125,7 @@ PRESET_TABLE: dict[str, Preset] = {
         linear_std=0.02,
         embed_std=0.035,
     ),
+    SIM: Preset(sim_args(SimConfig()), linear_std=0.0, embed_std=0.0),  # the default geometry; no weights
 }
 
 

@@ -15,20 +15,20 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from moriio_ray.config import EngineConfig, ModelConfig
+from moriio_ray.config import SIM, EngineConfig, ModelConfig
 from moriio_ray.engine.batch import PrefillChunk
 from moriio_ray.engine.cuda_graph import DecodeGraphs
 from moriio_ray.engine.device import resolve_device, resolve_dtype
 from moriio_ray.engine.fused_forward import use_triton
 from moriio_ray.engine.kv_cache import KVCache
 from moriio_ray.engine.loader import load_model, model_args, resolve_max_model_len
-from moriio_ray.engine.model import CausalLM
-from moriio_ray.engine.runner import ModelRunner
+from moriio_ray.engine.runner import ModelRunner, StepModel
 from moriio_ray.engine.sequence import blocks_for
+from moriio_ray.engine.sim_model import SimModel, SimRunner, sim_device
 from moriio_ray.engine.tp import SINGLE, TPGroup
 from moriio_ray.engine.tp_size import check_tp_size, shard_range
 from moriio_ray.engine.tp_steps import Kind, StepChannel, StepMsg, decode_batch
-from moriio_ray.errors import InvalidRequest
+from moriio_ray.errors import ConfigError, InvalidRequest
 
 if TYPE_CHECKING:
     from moriio_ray.engine.arch import ModelArgs
@@ -47,10 +47,10 @@ class RankParts:
     dtype: torch.dtype
     args: ModelArgs  # the full model's architecture
     max_model_len: int
-    model: CausalLM
+    model: StepModel  # CausalLM, or SimModel
     cache: KVCache
     graphs: DecodeGraphs | None
-    runner: ModelRunner
+    runner: ModelRunner  # a SimRunner for the simulated model
 
     @property
     def num_blocks(self) -> int:
@@ -67,6 +67,8 @@ def build_rank(
     tp: TPGroup = SINGLE,
     cuda_graphs: bool = True,
 ) -> RankParts:
+    if model.preset == SIM:
+        return _build_sim(model, engine, agent, tp)
     device = resolve_device(engine.device)
     dtype = resolve_dtype(model.dtype, device)
     args = model_args(model)
@@ -92,6 +94,25 @@ def build_rank(
         )  # fmt: skip
     runner = ModelRunner(net, cache, device, graphs, with_logits=with_logits)
     return RankParts(device, dtype, args, max_model_len, net, cache, graphs, runner)
+
+
+def _build_sim(
+    model: ModelConfig, engine: EngineConfig, agent: TransferAgent | None, tp: TPGroup
+) -> RankParts:
+    """The simulated model's rank: a KV cache of its geometry and a runner on its virtual device."""
+    if tp.size > 1:
+        raise ConfigError(
+            f"tensor_parallel_size: {tp.size}: the simulated model (model.preset: sim) runs one rank per "
+            "engine; set 1"
+        )
+    device = sim_device(engine.device)
+    dtype = resolve_dtype(model.dtype, device)
+    args = model_args(model)
+    max_model_len = resolve_max_model_len(args, model.max_model_len)
+    cache = KVCache(args, engine, dtype, device, agent)
+    assert model.sim is not None  # ModelConfig fills it in for preset sim
+    net = SimModel(model.sim, cache)
+    return RankParts(device, dtype, args, max_model_len, net, cache, None, SimRunner(net, cache, device))
 
 
 class RankEngine:

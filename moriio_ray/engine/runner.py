@@ -1,10 +1,11 @@
 """ModelRunner: turns a scheduled Batch into model inputs (ids, positions, slot mapping, block
 tables, uploaded in one copy), runs the forward pass over the paged cache and returns one row of
-logits per sampling row."""
+logits per sampling row; and what completes a launched step (``completion``, ``copy_back``)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -13,10 +14,34 @@ from moriio_ray.engine.attention import AttnMetadata, decode_mask
 from moriio_ray.engine.attention_prefill import ExtendRow, prefill_plan, split_decodes
 from moriio_ray.engine.batch import Batch
 from moriio_ray.engine.cuda_graph import DecodeGraphs
-from moriio_ray.engine.device import device_tokens, upload
+from moriio_ray.engine.device import Completion, device_tokens, upload
 from moriio_ray.engine.inputs import step_inputs
 from moriio_ray.engine.kv_cache import KVCache
-from moriio_ray.engine.model import CausalLM
+from moriio_ray.engine.model import KVPair, LayerHook
+
+
+class StepModel(Protocol):
+    """What the runner needs of a model: ``model.CausalLM``, or ``sim_model.SimModel``."""
+
+    @property
+    def needs_attention_plan(self) -> bool:
+        """Whether ``__call__`` reads the torch path's per-step attention precomputation."""
+        ...
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: Sequence[KVPair],
+        meta: AttnMetadata,
+        layer_hook: LayerHook | None = None,
+    ) -> torch.Tensor:
+        """input_ids, positions [T] -> the new tokens' hidden states [T, ...], their K/V written."""
+        ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, ...] (rows of ``__call__``'s result) -> logits [N, vocab] float32."""
+        ...
 
 
 class ModelRunner:
@@ -24,7 +49,7 @@ class ModelRunner:
 
     def __init__(
         self,
-        model: CausalLM,
+        model: StepModel,
         kv_cache: KVCache,
         device: torch.device,
         graphs: DecodeGraphs | None = None,
@@ -35,9 +60,34 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.device = device
         self.block_size = kv_cache.layout.block_size
-        self.dtype = model.model.embed_tokens.weight.dtype
+        self.dtype = kv_cache.tensor.dtype  # the model's
         self.graphs = graphs
-        self.fused = model.fused  # the Triton forward reads none of the torch path's precomputation
+        # the Triton forward and the simulated model read none of the torch path's precomputation
+        self.fused = not model.needs_attention_plan
+
+    @property
+    def asynchronous(self) -> bool:
+        """Whether a step runs on after ``run`` returns (on a CUDA stream), so that overlapped
+        scheduling has device work to hide the host's behind (its default: on)."""
+        return self.device.type == "cuda"
+
+    def completion(self) -> Completion | None:
+        """What completes the work launched so far: a CUDA event recorded on the current stream;
+        None on the CPU, whose work has run when the call returns."""
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
+    def copy_back(self, packed: torch.Tensor) -> tuple[torch.Tensor, Completion | None]:
+        """Start a step's one device-to-host copy of ``packed``: the host tensor it lands in (pinned
+        on CUDA), and the completion after which both the step and the copy have run."""
+        if packed.device.type != "cuda":
+            return packed, self.completion()
+        host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+        host.copy_(packed, non_blocking=True)
+        return host, self.completion()
 
     def prepare(
         self, batch: Batch, prev_tokens: torch.Tensor | None = None
@@ -67,9 +117,7 @@ class ModelRunner:
             start_pos=host.start_pos,
         )
         dtype = self.dtype
-        if self.fused:
-            pass
-        elif nd:
+        if nd and not self.fused:
             self._plan_decodes(meta, host.decode_widths, host.start_pos, tables, context_lens)
         if nd < num_rows and not self.fused:
             lens = cu[nd + 1 :] - cu[nd:-1]  # [rows] the prefill rows' new tokens

@@ -25,6 +25,7 @@ import torch
 from moriio_ray.engine.admission import request_error
 from moriio_ray.engine.batch import Batch, PrefillChunk
 from moriio_ray.engine.block_allocator import BlockAllocator
+from moriio_ray.engine.device import Completion
 from moriio_ray.engine.grammar import Constraints, apply_bitmask
 from moriio_ray.engine.outputs import PrefillResult, StepOutput
 from moriio_ray.engine.runner import ModelRunner
@@ -58,7 +59,7 @@ class InFlight:
     # [2 + 2k, R] int32 (pinned on CUDA): token ids, log-probability bits, then the k alternatives'
     # ids and their log-probability bits
     host: torch.Tensor | None
-    event: torch.cuda.Event | None
+    event: Completion | None  # None: the step had run when ``launch`` returned (the CPU)
     want_logprobs: bool
     num_top: int = 0  # k
     aborted: set[str] = dataclasses.field(default_factory=set)  # meanwhile: no output for them
@@ -126,8 +127,8 @@ def launch(
     rows = [Row(seq, seq.generation) for seq in sampled]
     for seq, n in zip(batch.seqs, batch.q_lens, strict=True):
         seq.num_cached += n  # the host moves on as if the step had run
-    if not sampled:
-        return InFlight(rows, None, None, None, False)
+    if not sampled:  # nothing to read back, but a reservation may still wait for the step's writes
+        return InFlight(rows, None, None, runner.completion(), False)
     out, errors = sample_each_device(logits, sampling, raw)
     tokens, logprobs = out.tokens, out.logprobs
     for i, (row, error) in enumerate(zip(rows, errors, strict=True)):
@@ -144,15 +145,7 @@ def launch(
     if out.top_ids is not None and out.top_logprobs is not None:
         num_top = out.top_ids.shape[1]
         parts += [out.top_ids.T.to(torch.int32), out.top_logprobs.T.contiguous().view(torch.int32)]
-    packed = torch.cat(parts)  # [2 + 2k, R]
-    if packed.device.type == "cuda":
-        host = torch.empty(packed.shape, dtype=torch.int32, pin_memory=True)
-        host.copy_(packed, non_blocking=True)
-        event: torch.cuda.Event | None = torch.cuda.Event()
-        assert event is not None
-        event.record()
-    else:
-        host, event = packed, None
+    host, event = runner.copy_back(torch.cat(parts))  # [2 + 2k, R]
     return InFlight(rows, tokens, host, event, logprobs is not None, num_top)
 
 
