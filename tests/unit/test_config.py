@@ -59,7 +59,7 @@ BAD_VALUES = [
     ("transfer.cuda_ipc.small_transfer_bytes", -1, "-1 must be >= 0"),
     ("transfer.cuda_ipc.max_ctas", -1, "-1 must be >= 0"),
     # model and engine
-    ("model.preset", "gpt-17", "'gpt-17' is not one of tiny, llama-1b, qwen3-0.6b, llama-8b"),
+    ("model.preset", "gpt-17", "'gpt-17' is not one of tiny, llama-1b, qwen3-0.6b, llama-8b, sim"),
     ("model.dtype", "int4", "'int4' is not one of auto, float32, bfloat16, float16"),
     ("model.max_model_len", 1, "1 must be >= 2"),
     ("engine.device", "tpu", "'tpu' is not one of auto, cpu, cuda"),
