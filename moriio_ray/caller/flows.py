@@ -70,17 +70,18 @@ class Flows:
         self.counters = {"prefill_retries": 0, "continuations": 0, "peer_lost": 0}
 
     async def run(
-        self, req: GenRequest, state: FlowState, streams: OutputStreams
+        self, req: GenRequest, state: FlowState, streams: OutputStreams, chunk_tokens: int = 1
     ) -> AsyncGenerator[RequestOutput, None]:
-        """Stream the request's chunks; the first chunk holds the first token."""
+        """Stream the request's chunks; the first chunk holds the first token, each later one at
+        least ``chunk_tokens`` tokens (or the rest of the request)."""
         budget = req.params.max_tokens
         attempt = req
         while True:
             try:
                 if self.config.mode == "colocated":
-                    gen = self._colocated(attempt, state, streams)
+                    gen = self._colocated(attempt, state, streams, chunk_tokens)
                 else:
-                    gen = self._disaggregated(attempt, state, streams)
+                    gen = self._disaggregated(attempt, state, streams, chunk_tokens)
                 async with contextlib.aclosing(gen) as chunks:
                     async for chunk in chunks:
                         state.emitted.extend(chunk.token_ids)
@@ -111,7 +112,7 @@ class Flows:
     # -- colocated ------------------------------------------------------------------------------
 
     async def _colocated(
-        self, req: GenRequest, state: FlowState, streams: OutputStreams
+        self, req: GenRequest, state: FlowState, streams: OutputStreams, chunk_tokens: int
     ) -> AsyncGenerator[RequestOutput, None]:
         c = self.router.pick("colocated", exclude=state.dead)
         state.decode_key = c.key
@@ -128,7 +129,7 @@ class Flows:
             yield first
             if done:
                 return
-            async for chunk in self._stream(c, sub, state):
+            async for chunk in self._stream(c, sub, state, chunk_tokens):
                 done = chunk.finished  # set before each yield: the consumer may close us there
                 yield chunk
         finally:
@@ -140,7 +141,7 @@ class Flows:
     # -- disaggregated --------------------------------------------------------------------------
 
     async def _disaggregated(
-        self, req: GenRequest, state: FlowState, streams: OutputStreams
+        self, req: GenRequest, state: FlowState, streams: OutputStreams, chunk_tokens: int
     ) -> AsyncGenerator[RequestOutput, None]:
         rid = req.request_id
         read = self.config.mode == "read"
@@ -189,7 +190,7 @@ class Flows:
             if done:
                 return
             # 4. D has the KV and decodes; its tokens follow on the stream.
-            async for chunk in self._stream(d, sub, state):
+            async for chunk in self._stream(d, sub, state, chunk_tokens):
                 done = chunk.finished
                 yield chunk
         finally:
@@ -252,12 +253,13 @@ class Flows:
             raise
 
     async def _stream(
-        self, worker: Member, sub: Subscription, state: FlowState
+        self, worker: Member, sub: Subscription, state: FlowState, chunk_tokens: int
     ) -> AsyncGenerator[RequestOutput, None]:
-        """The request's chunks from ``worker``'s stream: every output that arrived, merged."""
+        """The request's chunks from ``worker``'s stream: every output that arrived (at least
+        ``chunk_tokens`` tokens of them, or the rest of the request), merged."""
         try:
             while True:
-                items = await sub.next(self.timeout_s)
+                items = await sub.next(self.timeout_s, chunk_tokens)
                 if items[0].start is not None and state.prefill_done_unix is not None:
                     state.timings.add_handoff(state.prefill_done_unix, items[0].start)
                 chunk = _merge(items)

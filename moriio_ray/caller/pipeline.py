@@ -158,14 +158,20 @@ class PDPipeline:
         token_ids: list[int] | None = None,
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        chunk_tokens: int = 1,
     ) -> AsyncIterator[StreamEvent]:
-        """Stream a request's text and tokens. Closing the iterator cancels the request everywhere."""
+        """Stream a request's text and tokens. Closing the iterator cancels the request everywhere.
+        ``chunk_tokens``: each event after the first carries at least this many tokens (or the
+        rest): a consumer that wants tokens k at a time wakes once per k, not once per step."""
         req = self.make_request(prompt, token_ids=token_ids, params=params, request_id=request_id)
-        async for event in self.stream_request(req):
+        async for event in self.stream_request(req, chunk_tokens):
             yield event
 
-    async def stream_request(self, req: GenRequest) -> AsyncIterator[StreamEvent]:
-        """Stream a request made by ``make_request``; closing the iterator cancels it everywhere."""
+    async def stream_request(self, req: GenRequest, chunk_tokens: int = 1) -> AsyncIterator[StreamEvent]:
+        """Stream a request made by ``make_request`` (``chunk_tokens``: as ``stream``'s); closing
+        the iterator cancels it everywhere."""
+        if chunk_tokens < 1:
+            raise InvalidRequest(f"chunk_tokens: {chunk_tokens} must be >= 1")
         # A caller that attached long ago and served nothing since (a new Serve replica) would
         # route on the membership of its connect, maybe to a worker replaced meanwhile.
         if self.watch.ensure() or self.router.membership.version < 0:
@@ -176,7 +182,8 @@ class PDPipeline:
         mode = self.config.mode
         n_out = 0
         # aclosing: closing this stream closes the flow at once (the workers abort the request).
-        async with contextlib.aclosing(self.flows.run(req, state, self._output_streams())) as chunks:
+        flow = self.flows.run(req, state, self._output_streams(), chunk_tokens)
+        async with contextlib.aclosing(flow) as chunks:
             async for chunk in chunks:
                 now = time.perf_counter()
                 if n_out == 0:
@@ -235,7 +242,7 @@ class PDPipeline:
         logprobs: list[float] | None = None
         text: list[str] = []
         last: StreamEvent | None = None
-        async for event in self.stream_request(req):
+        async for event in self.stream_request(req, chunk_tokens=req.params.max_tokens):  # one wake
             ids.extend(event.token_ids)
             text.append(event.text)
             if event.logprobs is not None:

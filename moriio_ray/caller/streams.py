@@ -29,12 +29,20 @@ WATCH_PERIOD_S = 0.25  # how often waits are checked against their deadline (its
 
 
 class Subscription:
-    """One request's outputs from one worker (filled by the pump, drained by the flow)."""
+    """One request's outputs from one worker (filled by the pump, drained by the flow).
+
+    A wait may ask for a chunk of several tokens (``next(..., chunk_tokens=k)``): the pump then
+    wakes it once k tokens are pending or the request ended or failed, not for each engine step.
+    A consumer that sends k tokens at a time (an SSE stream at ``serve.stream_interval``, a whole
+    reply) so wakes once per k tokens instead of once per token.
+    """
 
     def __init__(self, pump: _Pump, request_id: str) -> None:
         self._pump = pump
         self.request_id = request_id
         self._items: list[RequestOutput] = []
+        self._num_tokens = 0  # in _items
+        self._wake_at = 1  # tokens pending that end the current wait
         self._error: BaseException | None = None
         self._waiter: asyncio.Future[None] | None = None
         self.deadline_s = 0.0  # loop time by which a pending wait ends
@@ -45,7 +53,9 @@ class Subscription:
 
     def put(self, item: RequestOutput) -> None:
         self._items.append(item)
-        self._wake()
+        self._num_tokens += len(item.token_ids)
+        if item.finished or self._num_tokens >= self._wake_at:
+            self._wake()
 
     def fail(self, exc: BaseException) -> None:
         self._error = exc
@@ -55,10 +65,13 @@ class Subscription:
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
-    async def next(self, timeout_s: float) -> list[RequestOutput]:
-        """Every output that has arrived (at least one); waits up to ``timeout_s`` for the first."""
-        if not self._items and self._error is None:
+    async def next(self, timeout_s: float, chunk_tokens: int = 1) -> list[RequestOutput]:
+        """Every output that has arrived: at least ``chunk_tokens`` tokens' worth, or the outputs
+        up to the request's end (or its error); waits up to ``timeout_s``, and then returns what
+        has arrived, if anything."""
+        if self._num_tokens < chunk_tokens and not self._ends() and self._error is None:
             loop = asyncio.get_running_loop()
+            self._wake_at = chunk_tokens
             self._waiter = waiter = loop.create_future()
             # the streams' watchdog ends a wait past its deadline (no timer per wait: this is per chunk)
             self.deadline_s = loop.time() + timeout_s
@@ -68,13 +81,17 @@ class Subscription:
             finally:
                 self._waiter = None
         if self._items:
-            items, self._items = self._items, []
+            items, self._items, self._num_tokens = self._items, [], 0
             return items
         if self._error is not None:
             raise self._error
         raise DeadlineExceeded(
             f"no output of {self.request_id} from {self._pump.member.key} within {timeout_s} s"
         )
+
+    def _ends(self) -> bool:
+        """The request's last output (its end or its error) is pending: nothing more will come."""
+        return bool(self._items) and self._items[-1].finished
 
     def close(self) -> None:
         self._pump.subs.pop(self.request_id, None)

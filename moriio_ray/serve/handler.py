@@ -48,6 +48,7 @@ MAX_BODY_BYTES = 16 << 20  # a larger body is a 413; 16 MiB holds any prompt a s
 STREAM_START_TIMEOUT_S = 5.0  # a stream reply not started by then was dropped: cancel its request
 HEALTH_TIMEOUT_S = 5.0
 STATS_TIMEOUT_S = 15.0
+WHOLE_REPLY = 1 << 30  # chunk_tokens of a reply sent whole: the pipeline wakes it at the end only
 
 
 class PipelineLike(Protocol):
@@ -64,7 +65,7 @@ class PipelineLike(Protocol):
         request_id: str | None = None,
     ) -> Any: ...
 
-    def stream_request(self, req: Any) -> AsyncIterator[Any]: ...
+    def stream_request(self, req: Any, chunk_tokens: int = 1) -> AsyncIterator[Any]: ...
 
     async def stats_async(self) -> dict[str, Any]: ...
 
@@ -227,7 +228,10 @@ class OpenAIServer:
         try:
             for phase in phases(choices, self._shares_prefill):
                 for i in phase:
-                    opened[i] = self.pipe.stream_request(live[i])
+                    # a stream sends stream_interval tokens an event, a body everything at the end:
+                    # the pipeline wakes this replica no more often than that (its first token at once)
+                    chunk = self.stream_interval if stream else WHOLE_REPLY
+                    opened[i] = self.pipe.stream_request(live[i], chunk_tokens=chunk)
                 got = await gather_all([deadline.next(opened[i]) for i in phase])  # type: ignore[arg-type]
                 for i, first in zip(phase, got, strict=True):
                     firsts[i] = first

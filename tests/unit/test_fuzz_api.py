@@ -55,7 +55,7 @@ class EnginePipeline:
     def make_request(self, prompt: Any = None, **kw: Any) -> GenRequest:
         return self.pipe.make_request(prompt, **kw)
 
-    async def stream_request(self, req: GenRequest) -> AsyncIterator[StreamEvent]:
+    async def stream_request(self, req: GenRequest, chunk_tokens: int = 1) -> AsyncIterator[StreamEvent]:
         # several streams share the engine (n > 1): whichever steps it hands each output to its
         # request's queue, so that no stream loses another one's tokens
         rid = req.request_id

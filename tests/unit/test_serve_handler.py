@@ -46,7 +46,7 @@ class FakePipeline:
         check_request(ids, params, vocab_size=self.tokenizer.vocab_size, max_model_len=self.max_model_len)
         return (request_id, ids, params)
 
-    async def stream_request(self, req: Any) -> AsyncIterator[StreamEvent]:
+    async def stream_request(self, req: Any, chunk_tokens: int = 1) -> AsyncIterator[StreamEvent]:
         request_id, ids, params = req
         out = ids[: params.max_tokens]
         done = False
@@ -334,7 +334,7 @@ class CachingPipeline(FakePipeline):
         default_factory=lambda: SimpleNamespace(engine=SimpleNamespace(enable_prefix_caching=True))
     )
 
-    async def stream_request(self, req: Any) -> AsyncIterator[StreamEvent]:
+    async def stream_request(self, req: Any, chunk_tokens: int = 1) -> AsyncIterator[StreamEvent]:
         self.log.append(("start", req[0]))
         await asyncio.sleep(0.01)  # a prefill takes a while: requests started together overlap
         first = True

@@ -44,7 +44,7 @@ class SplitPipeline:
     ) -> Any:
         return (request_id, list(token_ids), params)
 
-    async def stream_request(self, req: Any) -> AsyncIterator[StreamEvent]:
+    async def stream_request(self, req: Any, chunk_tokens: int = 1) -> AsyncIterator[StreamEvent]:
         request_id, prompt_ids, params = req
         out = list(OUTPUT[: params.max_tokens])
         text = IncrementalText(self.tokenizer, params.stop)
