@@ -55,10 +55,14 @@ _SERVE_CLI = "import sys; from ray.serve.scripts import cli; sys.argv[0] = 'serv
 
 class ServeProcess:
     """One ``serve run`` child on a copy of ``config_path`` listening on ``http_port`` (in the fast
-    serve mode HAProxy gets free ports and keeps its files in the work dir: see ``serve_mode``)."""
+    serve mode HAProxy gets free ports and keeps its files in the work dir: see ``serve_mode``);
+    ``env``: variables the child gets on top of this process's environment."""
 
-    def __init__(self, config_path: str | Path, *, http_port: int | None = None) -> None:
+    def __init__(
+        self, config_path: str | Path, *, http_port: int | None = None, env: dict[str, str] | None = None
+    ) -> None:
         self.http_port = http_port or free_port()
+        self.env = dict(env or {})
         self.work_dir = Path(tempfile.mkdtemp(prefix="mrs"))  # short: Ray's socket paths live below it
         self.ray_tmp = self.work_dir / "ray"
         self.config_path = self.work_dir / "serve.yaml"
@@ -81,7 +85,8 @@ class ServeProcess:
         # (an environment whose packages sit on PYTHONPATH has no script there)
         serve = [str(serve_bin)] if serve_bin.exists() else [sys.executable, "-c", _SERVE_CLI]
         # `env` adds the variables to the inherited environment without this process reading it.
-        cmd = ["env", f"RAY_TMPDIR={self.work_dir}", "RAY_USAGE_STATS_ENABLED=0", *serve]
+        cmd = ["env", f"RAY_TMPDIR={self.work_dir}", "RAY_USAGE_STATS_ENABLED=0"]
+        cmd += [f"{k}={v}" for k, v in self.env.items()] + serve
         cmd += ["run", str(self.config_path)]
         self._log = self.log_path.open("wb")
         self.proc = subprocess.Popen(

@@ -444,6 +444,7 @@ def run_mode(
     import yaml
 
     from bench.launch import ServeProcess
+    from moriio_ray.transfer.shm_segment import sweep_stale_segments
 
     t_start = time.monotonic()
     trace_dir = Path(tempfile.mkdtemp(prefix="mrt"))
@@ -461,17 +462,8 @@ def run_mode(
         ENV_ROOT: str(ROOT),
         ENV_HOOK: str(Path(__file__).resolve()),
     }
-    server = ServeProcess(derived)
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)  # the child inherits them; this process keeps its own
-    try:
-        server.start()
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    server = ServeProcess(derived, env=env)
+    server.start()
     ctl = Control(trace_dir)
     durations: dict[str, float] = {}
     client_side: dict[str, Any] = {}
@@ -518,13 +510,12 @@ def run_mode(
         shutil.rmtree(trace_dir, ignore_errors=True)
         raise
     finally:
-        try:
-            if server.proc is not None and server.proc.poll() is None:
-                server.stop(timeout_s=60)
-        except Exception:
-            pass
+        # killed, not stopped: every window was flushed, and a clean stop (Serve drains its
+        # ingress) would take seconds; the engines' shared memory goes with a sweep
         server.kill()
+        server.wait_no_leftovers(timeout_s=10)
         server.remove_work_dir()
+        sweep_stale_segments()
     report = analyze(trace_dir, mode, concurrency)
     if keep is not None:
         shutil.copytree(trace_dir / "windows", keep / f"{mode}-windows", dirs_exist_ok=True)

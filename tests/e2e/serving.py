@@ -16,10 +16,12 @@ SERVE_DOC = Path(__file__).resolve().parents[2] / "docs" / "serve.md"
 
 
 @contextlib.contextmanager
-def running(config: str | Path, *, start_timeout_s: float = 240.0) -> Iterator[ServeProcess]:
-    """``serve run config`` until the block ends: stopped with SIGINT, then whatever is left of it
-    killed and its work dir removed, even when a test failed."""
-    proc = ServeProcess(config)
+def running(
+    config: str | Path, *, start_timeout_s: float = 240.0, env: dict[str, str] | None = None
+) -> Iterator[ServeProcess]:
+    """``serve run config`` (``env``: on top of this environment) until the block ends: stopped with
+    SIGINT, then whatever is left of it killed and its work dir removed, even when a test failed."""
+    proc = ServeProcess(config, env=env)
     proc.start()
     try:
         proc.wait_healthy(timeout_s=start_timeout_s)
@@ -89,8 +91,10 @@ class Shared:
     of seconds on 2 cores). ``get`` starts it, or starts a new one where a test stopped it (the
     clean-shutdown test does); ``close`` ends whatever runs, at the end of the session."""
 
-    def __init__(self, config: str | Path, *, start_timeout_s: float = 240.0) -> None:
-        self.config, self.start_timeout_s = config, start_timeout_s
+    def __init__(
+        self, config: str | Path, *, start_timeout_s: float = 240.0, env: dict[str, str] | None = None
+    ) -> None:
+        self.config, self.start_timeout_s, self.env = config, start_timeout_s, env
         self._stack: contextlib.ExitStack | None = None
         self._proc: ServeProcess | None = None
 
@@ -98,7 +102,9 @@ class Shared:
         if self._proc is None or self._proc.proc is None or self._proc.proc.poll() is not None:
             self.close()
             self._stack = contextlib.ExitStack()
-            self._proc = self._stack.enter_context(running(self.config, start_timeout_s=self.start_timeout_s))
+            self._proc = self._stack.enter_context(
+                running(self.config, start_timeout_s=self.start_timeout_s, env=self.env)
+            )
         return self._proc
 
     def close(self) -> None:
