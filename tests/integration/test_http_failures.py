@@ -38,9 +38,15 @@ P, D = f"{NAME}-prefill-0", f"{NAME}-decode-0"
 # callers on D, which a loaded 2-core host stretches to several seconds
 REQUEST_TIMEOUT_S = 15.0
 TRANSFER_TIMEOUT_S = 2.0
+# D keeps the blocks of a late read out of use for at most the transfer's timeout plus this grace
+LEASE_GRACE_S = 1.0
 CONFIG = msgspec.structs.replace(
-    # pings every second: at 0.25 s a loaded host misses two of them and a healthy worker is "dead"
-    tiny_config(NAME, transfer={"timeout_s": TRANSFER_TIMEOUT_S}, runtime={"health_check_period_s": 1.0}),
+    tiny_config(
+        NAME,
+        transfer={"timeout_s": TRANSFER_TIMEOUT_S, "lease_grace_s": LEASE_GRACE_S},
+        # pings every second: at 0.25 s a loaded host misses two of them and a healthy worker is "dead"
+        runtime={"health_check_period_s": 1.0},
+    ),
     serve=ServeConfig(num_replicas=2, request_timeout_s=REQUEST_TIMEOUT_S),
 )
 # A caller that died: its last stream runs out (one period), then no stream for the grace, and the
