@@ -11,13 +11,18 @@ import pytest
 import ray
 
 from moriio_ray import PDPipeline
+from moriio_ray.coordinator import actor as coord
 from moriio_ray.errors import DeadlineExceeded
 from tests.integration.helpers import tiny_config
 
 pytestmark = pytest.mark.usefixtures("ray_cpu")
 
 TIMEOUT_S = 1.0  # runtime.remote_timeout_s of the pipeline under test
-BOUND_S = 15.0  # every call below must have failed by then (the long poll's 5 s included)
+POLL_S = 1.0  # the long poll's own wait
+# the coordinator's wait for its workers' stats (10 s), which the caller's stats deadline adds to
+# remote_timeout_s: shortened for this caller
+WORKER_STATS_TIMEOUT_S = 1.0
+BOUND_S = 10.0  # every call below must have failed by then (the long poll's wait included)
 
 
 @ray.remote(num_cpus=0)
@@ -34,11 +39,13 @@ class SilentCoordinator:
 
 
 @pytest.mark.timeout(120)
-def test_a_silent_coordinator_fails_the_callers_calls_in_bound() -> None:
+def test_a_silent_coordinator_fails_the_callers_calls_in_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(coord, "WORKER_STATS_TIMEOUT_S", WORKER_STATS_TIMEOUT_S)
     config = tiny_config("silent", runtime={"remote_timeout_s": TIMEOUT_S})
-    pipe = PDPipeline(SilentCoordinator.remote(), config)
+    silent = SilentCoordinator.remote()
+    pipe = PDPipeline(silent, config)
     try:
-        for call in (lambda: pipe._refresh(), lambda: pipe._refresh(timeout_s=5.0), pipe.stats_async):
+        for call in (lambda: pipe._refresh(), lambda: pipe._refresh(timeout_s=POLL_S), pipe.stats_async):
             t0 = time.monotonic()
             with pytest.raises(DeadlineExceeded):
                 pipe._sync(call())
@@ -46,3 +53,4 @@ def test_a_silent_coordinator_fails_the_callers_calls_in_bound() -> None:
     finally:
         if pipe._bg is not None:
             pipe._bg.stop()
+        ray.kill(silent)
