@@ -95,15 +95,16 @@ def test_tcp_staged_path_moves_the_same_bytes(uniform: bool) -> None:
             sz = rng.integers(1, 300_000, 20).astype(np.int64)
             lo, ro = random_offsets_for(rng, sz, 4 * MiB), random_offsets_for(rng, sz, 4 * MiB)
         finish(a.read(ma, mb, TransferPlan(lo, ro, sz)))
+        remote, local = pattern(1, 4 * MiB), pattern(9, 4 * MiB)  # b's region; what a writes next
         ref = np.zeros(4 * MiB, np.uint8)
         for d, s, n in zip(lo.tolist(), ro.tolist(), sz.tolist(), strict=True):
-            ref[d : d + n] = pattern(1, 4 * MiB)[s : s + n]
+            ref[d : d + n] = remote[s : s + n]
         assert np.array_equal(host(ta), ref)
-        ta.copy_(torch.from_numpy(pattern(9, 4 * MiB)))
+        ta.copy_(torch.from_numpy(local))
         finish(a.write(ma, mb, TransferPlan(lo, ro, sz)))
-        ref = pattern(1, 4 * MiB)
+        ref = remote.copy()
         for d, s, n in zip(lo.tolist(), ro.tolist(), sz.tolist(), strict=True):
-            ref[s : s + n] = pattern(9, 4 * MiB)[d : d + n]
+            ref[s : s + n] = local[d : d + n]
         assert np.array_equal(host(tb), ref)
 
 
