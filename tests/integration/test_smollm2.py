@@ -9,6 +9,7 @@ after ``MAX_TOKENS``, in both systems.
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib.util
 import json
 from collections.abc import Iterator
@@ -18,6 +19,7 @@ import pytest
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate", reason="transformers needs accelerate to load a GGUF file")
+gguf = pytest.importorskip("gguf", reason="transformers needs gguf to load a GGUF file")
 
 import torch  # noqa: E402
 
@@ -46,7 +48,11 @@ def reference() -> dict[str, Any]:
     """Prompt ids (transformers' tokenizer) and transformers' greedy continuations."""
     source = model_source(ModelConfig(path=MODEL))
     tok = transformers.AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(source.parent), gguf_file=source.name)
+    with pytest.MonkeyPatch.context() as mp:
+        # transformers asks gguf for the tensor-name map of the same (arch, layers) once per module
+        # of the model (about 400 times, 15 ms each): built once, the same map
+        mp.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(source.parent), gguf_file=source.name)
     model.eval()
     chat_text = tok.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
     prompts = [tok(t)["input_ids"] for t in [*TEXTS, chat_text]]
