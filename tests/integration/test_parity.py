@@ -1,15 +1,15 @@
 """Disaggregated greedy tokens equal colocated ones, for both modes and both CPU backends, with and
-without chunked prefill (a WRITE push then follows the chunks) and overlapped scheduling; the
-pipelines cache prefixes (the default), the colocated reference does not."""
+without chunked prefill (a WRITE push then follows the chunks), overlapped scheduling and the
+block-major layout; the pipelines cache prefixes (the default), the colocated reference (the engine
+in this process) does not."""
 
 from __future__ import annotations
-
-from collections.abc import Iterator
 
 import pytest
 
 from moriio_ray import PDPipeline, SamplingParams
-from tests.integration.helpers import assert_no_leaks, colocated_config, tiny_config, varied_prompts
+from tests.integration.helpers import assert_no_leaks, tiny_config, varied_prompts
+from tests.integration.reference import colocated_tokens
 
 pytestmark = pytest.mark.usefixtures("ray_cpu")
 
@@ -19,36 +19,30 @@ SEEDED = SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, seed=1234, ign
 
 
 @pytest.fixture(scope="module")
-def reference() -> Iterator[dict[str, list[list[int]]]]:
+def reference() -> dict[str, list[list[int]]]:
     # the prefix cache off: the pipelines below (cache on, the default) must give the same tokens
-    pipe = PDPipeline.launch(colocated_config("parity-colocated", engine={"enable_prefix_caching": False}))
-    try:
-        greedy = pipe.generate_batch(PROMPTS, GREEDY, max_concurrency=16)
-        seeded = pipe.generate_batch(PROMPTS[:8], SEEDED, max_concurrency=8)
-        assert_no_leaks(pipe)
-        yield {"greedy": [r.token_ids for r in greedy], "seeded": [r.token_ids for r in seeded]}
-    finally:
-        pipe.shutdown()
+    return {"greedy": colocated_tokens(PROMPTS, GREEDY), "seeded": colocated_tokens(PROMPTS[:8], SEEDED)}
 
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize(
-    ("backend", "mode", "budget", "overlap"),
+    ("backend", "mode", "budget", "overlap", "layout"),
     # a budget of 40 tokens a step prefills the longer prompts (up to 120) in chunks, on P and D;
-    # overlapped scheduling (the CUDA default) on P and D in two of the four
+    # overlapped scheduling (the CUDA default) on P and D in two of the four; the block-major
+    # layout (each block's layers together) in one
     [
-        ("shm", "read", 4096, True),
-        ("tcp", "read", 40, False),
-        ("shm", "write", 40, True),
-        ("tcp", "write", 4096, False),
+        ("shm", "read", 4096, True, "block_major"),
+        ("tcp", "read", 40, False, "layer_major"),
+        ("shm", "write", 40, True, "layer_major"),
+        ("tcp", "write", 4096, False, "layer_major"),
     ],
 )
 def test_pd_tokens_equal_colocated(
-    reference: dict[str, list[list[int]]], backend: str, mode: str, budget: int, overlap: bool
+    reference: dict[str, list[list[int]]], backend: str, mode: str, budget: int, overlap: bool, layout: str
 ) -> None:
     engine = {"max_num_batched_tokens": budget, "overlap_scheduling": overlap}
     pipe = PDPipeline.launch(
-        tiny_config(f"parity-{backend}-{mode}", backend=backend, mode=mode, engine=engine)
+        tiny_config(f"parity-{backend}-{mode}", backend=backend, mode=mode, layout=layout, engine=engine)
     )
     try:
         results = pipe.generate_batch(PROMPTS, GREEDY, max_concurrency=16)
@@ -71,17 +65,6 @@ def test_pd_tokens_equal_colocated(
         # blocks: nothing, no transfer at all)
         assert moved == sum(1 for r in results + seeded if r.timings.transfer_bytes) > len(PROMPTS) - 3
         assert roles["decode"]["prefix_cache"]["num_hit_tokens"] > 0
-        assert_no_leaks(pipe)
-    finally:
-        pipe.shutdown()
-
-
-@pytest.mark.timeout(120)
-def test_block_major_layout_and_streaming(reference: dict[str, list[list[int]]]) -> None:
-    pipe = PDPipeline.launch(tiny_config("parity-block-major", layout="block_major"))
-    try:
-        results = pipe.generate_batch(PROMPTS[:10], GREEDY, max_concurrency=10)
-        assert [r.token_ids for r in results] == reference["greedy"][:10]
 
         async def collect() -> list[list[int]]:
             chunks = []
