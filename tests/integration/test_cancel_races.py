@@ -7,12 +7,15 @@
 - A read still in flight when its request is cancelled keeps its blocks quarantined until the
   transfer ends (the delay hook holds the transfer), then frees them; P's lease on the blocks the
   read comes from is released only then, not at the cancel.
+
+One 1P1D pipeline per mode; the READ one serves both tests.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -20,9 +23,25 @@ import ray
 
 from moriio_ray import PDPipeline, SamplingParams
 from tests.faults import delay_transfers
-from tests.integration.helpers import assert_no_leaks, leaks, tiny_config, varied_prompts, wait_until
+from tests.integration.helpers import (
+    Pipelines,
+    assert_no_leaks,
+    leaks,
+    tiny_config,
+    varied_prompts,
+    wait_until,
+)
 
 pytestmark = pytest.mark.usefixtures("ray_cpu")
+
+
+@pytest.fixture(scope="module")
+def pipelines(ray_cpu: None) -> Iterator[Pipelines]:
+    # a read may last the whole of the quarantine test's delay
+    with Pipelines(
+        lambda mode: tiny_config(f"race-{mode}", mode=mode, transfer={"timeout_s": 15.0})
+    ) as pipes:
+        yield pipes
 
 
 @ray.remote(num_cpus=0)
@@ -71,11 +90,10 @@ class Signal:
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("mode", ["read", "write"])
-def test_recursive_cancellation_after_the_first_token_leaks_nothing(mode: str) -> None:
-    name = f"race-{mode}"
-    pipe = PDPipeline.launch(tiny_config(name, mode=mode))
+def test_recursive_cancellation_after_the_first_token_leaks_nothing(pipelines: Pipelines, mode: str) -> None:
+    pipe = pipelines.get(mode)
     ingress = Ingress.remote()
-    ray.get(ingress.connect.remote(name), timeout=60)
+    ray.get(ingress.connect.remote(pipe.config.name), timeout=60)
     params = SamplingParams(max_tokens=400, ignore_eos=True)  # far longer than the test runs
     try:
         prompts = varied_prompts(16, seed=4)
@@ -95,15 +113,16 @@ def test_recursive_cancellation_after_the_first_token_leaks_nothing(mode: str) -
         assert_no_leaks(pipe, timeout_s=8.0)
     finally:
         ray.kill(ingress)
-        pipe.shutdown()
+        if mode == "write":
+            pipelines.close(mode)
 
 
 @pytest.mark.timeout(120)
-def test_a_cancelled_read_stays_quarantined_until_the_transfer_ends() -> None:
-    name = "race-quarantine"
+def test_a_cancelled_read_stays_quarantined_until_the_transfer_ends(pipelines: Pipelines) -> None:
+    pipe = pipelines.get("read")
+    name = pipe.config.name
     delay_s = 8.0  # long enough to look at every worker while the read is held, on loaded cores
-    transfer = {"timeout_s": 15.0}  # the read may last the whole delay
-    pipe = PDPipeline.launch(tiny_config(name, transfer=transfer))
+    assert pipe.config.transfer.timeout_s > delay_s  # the read may last the whole delay
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     prompt = [7] * 100  # 7 blocks of 16 tokens
     d_key, p_key = f"{name}-decode-0", f"{name}-prefill-0"
@@ -160,4 +179,4 @@ def test_a_cancelled_read_stays_quarantined_until_the_transfer_ends() -> None:
         assert pipe.generate(token_ids=prompt, params=params).token_ids == expected
         assert_no_leaks(pipe)
     finally:
-        pipe.shutdown()
+        pipelines.close("read")
