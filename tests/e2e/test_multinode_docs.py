@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -135,7 +136,7 @@ def test_documented_multinode_steps(cluster: tuple[TwoNodes, str]) -> None:
         if status.returncode == 0 and status.stdout.count(" node_") == 2:
             break
         assert time.monotonic() < deadline_s, status.stdout + status.stderr
-        time.sleep(1.0)
+        time.sleep(0.25)
 
     # 3. serve run --address on the head, in the head's environment
     config = _cpu_config(nodes.work)
@@ -153,6 +154,9 @@ def test_documented_multinode_steps(cluster: tuple[TwoNodes, str]) -> None:
         stderr=subprocess.STDOUT,
         start_new_session=True,
         cwd=ROOT,
+        # Ctrl-C must reach it: a test run started in the background (`cmd &`, nohup) ignores
+        # SIGINT, and an ignored signal stays ignored across exec
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     nodes.serve._log = log
     nodes.serve.wait_healthy(timeout_s=300)
