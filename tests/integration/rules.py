@@ -12,9 +12,8 @@ from typing import Any
 import ray
 
 from moriio_ray import PDPipeline, SamplingParams
-from moriio_ray.config import EngineConfig, ModelConfig
-from moriio_ray.engine.engine import Engine
-from tests.integration.helpers import BLOCK_SIZE, NUM_BLOCKS, varied_prompts, wait_until
+from tests.integration.helpers import varied_prompts, wait_until
+from tests.integration.reference import engine_outputs
 
 
 @dataclass
@@ -102,20 +101,5 @@ def one_request(seed: int, max_tokens: int) -> tuple[list[int], SamplingParams, 
 def reference(
     prompts: list[list[int]], params: SamplingParams
 ) -> tuple[list[list[int]], list[list[float] | None]]:
-    """Colocated tokens (and log probabilities) of the tiny preset, from an engine in this process."""
-    engine = Engine(
-        ModelConfig(preset="tiny", seed=0),
-        EngineConfig(device="cpu", num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE),
-        role="colocated",
-    )
-    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
-    logprobs: dict[str, list[float] | None] = {str(i): None for i in range(len(prompts))}
-    for i, ids in enumerate(prompts):
-        engine.add_request(str(i), ids, params)
-    while engine.has_work():
-        for out in engine.step():
-            tokens[out.request_id].extend(out.new_token_ids)
-            if out.logprobs is not None:
-                logprobs[out.request_id] = [*(logprobs[out.request_id] or []), *out.logprobs]
-    keys = [str(i) for i in range(len(prompts))]
-    return [tokens[k] for k in keys], [logprobs[k] for k in keys]
+    """Colocated tokens (and log probabilities) of the tiny preset, from the engine in this process."""
+    return engine_outputs(prompts, params)
