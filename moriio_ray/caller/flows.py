@@ -31,6 +31,7 @@ from moriio_ray.caller.router import Router
 from moriio_ray.caller.streams import OutputStreams, Subscription
 from moriio_ray.config import PipelineConfig
 from moriio_ray.errors import PeerLost
+from moriio_ray.protocol import wire
 from moriio_ray.protocol.deadline import deadline
 from moriio_ray.protocol.detached import send
 from moriio_ray.protocol.messages import (
@@ -121,8 +122,8 @@ class Flows:
         sub = streams.open(c, req.request_id)
         done = False
         try:
-            ref = self._actor(c, state).generate.remote(req, streams.caller_id)
-            out: RequestOutput = await self._call(c, ref, "generate", state)
+            ref = self._actor(c, state).generate.remote(wire.pack(req), streams.caller_id)
+            out: RequestOutput = wire.unpack(await self._call(c, ref, "generate", state), RequestOutput)
             state.timings.cached_tokens = out.num_cached_tokens
             first = _merge([out])
             done = first.finished
@@ -165,10 +166,10 @@ class Flows:
                     return p0
                 return self.router.pick_prefill_for(d, exclude=state.dead)
 
-            to, caller = _ref(d), streams.caller_id
+            to, caller, packed = _ref(d), streams.caller_id, wire.pack(req)
             method = "prefill" if read else "prefill_push"  # WRITE: P reserves on D itself
             result, _p = await self._prefill(
-                req, state, pick, lambda p: getattr(p.actor, method).remote(req, to, caller), asked
+                req, state, pick, lambda p: getattr(p.actor, method).remote(packed, to, caller), asked
             )
             state.timings.prefill_s = result.prefill_s
             state.timings.cached_tokens = result.num_cached_tokens
@@ -225,7 +226,9 @@ class Flows:
             ref = None
             try:
                 ref = call(p)  # (a P whose actor is gone raises here)
-                result: Handoff = await deadline(ref, self.timeout_s, f"prefill on {p.key}")
+                result: Handoff = wire.unpack(
+                    await deadline(ref, self.timeout_s, f"prefill on {p.key}"), Handoff
+                )
                 return result, p
             except ray.exceptions.RayActorError:
                 self._dead(p, state)

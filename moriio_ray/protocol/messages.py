@@ -87,7 +87,7 @@ class Prefilled(msgspec.Struct, frozen=True, kw_only=True):
     prefill_s: float
 
 
-class KVHandle(Prefilled, frozen=True, kw_only=True):
+class KVHandle(Prefilled, frozen=True, kw_only=True, tag=True):
     """READ mode: what P returns after prefill. D reads ``block_ids`` from P before the lease ends."""
 
     transfer_id: str
@@ -109,7 +109,7 @@ class Reservation(msgspec.Struct, frozen=True, kw_only=True):
     num_cached_blocks: int = 0  # the first blocks already hold the prompt's KV (D's prefix cache)
 
 
-class PushResult(Prefilled, frozen=True, kw_only=True):
+class PushResult(Prefilled, frozen=True, kw_only=True, tag=True):
     """WRITE mode: what P returns once every layer has landed in D's reserved blocks."""
 
     request_id: str

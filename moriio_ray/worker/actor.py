@@ -19,15 +19,13 @@ from typing import TYPE_CHECKING, Any
 from moriio_ray import metrics
 from moriio_ray.config import PipelineConfig
 from moriio_ray.errors import InvalidRequest
+from moriio_ray.protocol import wire
 from moriio_ray.protocol.deadline import deadline
 from moriio_ray.protocol.messages import (
     GenRequest,
     Handoff,
-    KVHandle,
     PeerRef,
-    PushResult,
     RequestOutput,
-    Reservation,
     Role,
     WorkerInfo,
 )
@@ -177,9 +175,11 @@ class EngineWorker:
 
     # -- colocated ------------------------------------------------------------------------------
 
-    async def generate(self, req: GenRequest, caller: str) -> RequestOutput:
-        """Colocated: prefill and return the first token; the later tokens go to ``caller``'s
-        output stream (the first one answers this call: one hop less before the first token)."""
+    async def generate(self, packed: bytes, caller: str) -> bytes:
+        """Colocated: prefill and return the first token (a packed ``RequestOutput``; ``packed``, a
+        packed ``GenRequest``: ``protocol/wire.py``); the later tokens go to ``caller``'s output
+        stream (the first one answers this call: one hop less before the first token)."""
+        req: GenRequest = wire.unpack(packed, GenRequest)
         c = self._role(Role.COLOCATED).core
         rec = c.table.open(req.request_id, caller)
         c.counters["requests"] += 1
@@ -197,30 +197,32 @@ class EngineWorker:
             raise
         finally:
             rec.task = None
-        return RequestOutput.of_step(req.request_id, out)
+        return wire.pack(RequestOutput.of_step(req.request_id, out))
 
     # -- prefill --------------------------------------------------------------------------------
 
-    async def prefill(self, req: GenRequest, to: PeerRef | None = None, caller: str = "") -> KVHandle:
+    async def prefill(self, packed: bytes, to: PeerRef | None = None, caller: str = "") -> bytes:
         """READ: prefill, lease the prompt's blocks, hand them to ``to`` (D, which streams the later
-        tokens to ``caller``) and return the handle: the first token."""
-        return await self._side_p().prefill(req, to, caller)
+        tokens to ``caller``) and return the handle: the first token (a packed ``KVHandle``)."""
+        return wire.pack(await self._side_p().prefill(wire.unpack(packed, GenRequest), to, caller))
 
-    async def prefill_push(self, req: GenRequest, to: PeerRef, caller: str = "") -> PushResult:
+    async def prefill_push(self, packed: bytes, to: PeerRef, caller: str = "") -> bytes:
         """WRITE: reserve blocks on ``to`` (D), prefill while pushing each layer into them, and hand
-        the result to D, which streams the later tokens to ``caller``."""
-        return await self._side_p().prefill_push(req, to, caller)
+        the result to D, which streams the later tokens to ``caller`` (a packed ``PushResult``)."""
+        return wire.pack(await self._side_p().prefill_push(wire.unpack(packed, GenRequest), to, caller))
 
     # -- decode ---------------------------------------------------------------------------------
 
-    async def reserve(self, req: GenRequest, caller: str | None = None) -> Reservation:
-        """WRITE (from P): reserve blocks for P to push the prompt's KV into."""
-        return await self._side_d().reserve(req, caller)
+    async def reserve(self, packed: bytes, caller: str | None = None) -> bytes:
+        """WRITE (from P): reserve blocks for P to push the prompt's KV into (a packed
+        ``Reservation``)."""
+        return wire.pack(await self._side_d().reserve(wire.unpack(packed, GenRequest), caller))
 
-    async def deliver(self, req: GenRequest, source: Handoff, caller: str) -> None:
-        """P's hand-over: bring the KV in and decode, tokens to ``caller``'s stream; returns once P's
-        blocks are no longer needed (P frees its lease then)."""
-        await self._side_d().deliver(req, source, caller)
+    async def deliver(self, packed: bytes, source: bytes, caller: str) -> None:
+        """P's hand-over (a packed request and ``Handoff``): bring the KV in and decode, tokens to
+        ``caller``'s stream; returns once P's blocks are no longer needed (P frees its lease then)."""
+        req, handoff = wire.unpack(packed, GenRequest), wire.unpack(source, Handoff)
+        await self._side_d().deliver(req, handoff, caller)
 
     async def pushes_ended(self, request_id: str) -> None:
         """WRITE: P's pushes of a request that ended early have ended: nothing more lands in its

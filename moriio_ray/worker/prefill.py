@@ -24,6 +24,7 @@ from moriio_ray import metrics
 from moriio_ray.engine.batch import PrefillChunk
 from moriio_ray.engine.outputs import PrefillResult
 from moriio_ray.errors import DeadlineExceeded
+from moriio_ray.protocol import wire
 from moriio_ray.protocol.deadline import deadline
 from moriio_ray.protocol.detached import send
 from moriio_ray.protocol.messages import GenRequest, KVHandle, PeerRef, PushResult, Reservation
@@ -81,7 +82,8 @@ class PrefillSide:
         tid = handle.transfer_id
         wait_s = max(0.0, handle.lease_deadline_unix - time.time()) + c.config.transfer.lease_grace_s
         try:
-            await deadline(peer.actor.deliver.remote(req, handle, caller), wait_s, f"{peer.key}'s read")
+            call = peer.actor.deliver.remote(wire.pack(req), wire.pack(handle), caller)
+            await deadline(call, wait_s, f"{peer.key}'s read")
         except DeadlineExceeded:
             self._handed.discard(tid)
             return  # the sweep frees the lease at its deadline plus grace
@@ -99,11 +101,12 @@ class PrefillSide:
         ok = False
         try:
             peer = await c.peers.get(to.key, to.epoch)
-            reservation: Reservation = await deadline(
-                peer.actor.reserve.remote(req, caller),
+            reserved = await deadline(
+                peer.actor.reserve.remote(wire.pack(req), caller),
                 c.config.runtime.remote_timeout_s,
                 f"the reservation on {to.key}",
             )
+            reservation: Reservation = wire.unpack(reserved, Reservation)
             assert c.engine.kv_mem is not None
             d_ranks = peer.info.rank_descs()
             targets = push_targets(c.engine.layout, d_ranks)
@@ -136,7 +139,7 @@ class PrefillSide:
                 num_segments=num_segments,
             )
             ok = True  # every push has landed: the result tells D so (and ends its reservation)
-            send(peer.actor.deliver, req, result, caller)  # outside this call's lineage
+            send(peer.actor.deliver, wire.pack(req), wire.pack(result), caller)  # outside this lineage
             return result
         finally:
             c.table.close(rec)

@@ -18,6 +18,8 @@ import ray
 from moriio_ray import PDPipeline, SamplingParams
 from moriio_ray.config import TransferConfig
 from moriio_ray.errors import CapacityError, DeadlineExceeded, EngineFailed, MoriioRayError, TokenRejected
+from moriio_ray.protocol import wire
+from moriio_ray.protocol.messages import Handoff
 from moriio_ray.transfer import create_agent
 from tests.faults import delay_transfers
 from tests.integration.helpers import assert_no_leaks, tiny_config, varied_prompts, wait_until
@@ -113,7 +115,8 @@ def test_stop_strings_and_logprobs_through_p_and_d(pipe: PDPipeline) -> None:
 @pytest.mark.timeout(60)
 def test_an_unreleased_lease_expires_in_the_running_worker(pipe: PDPipeline) -> None:
     req = pipe.make_request(token_ids=[65 + i % 50 for i in range(100)], params=SamplingParams(max_tokens=4))
-    handle = ray.get(actor(pipe, P).prefill.remote(req, None), timeout=30)  # nobody will release it
+    packed = ray.get(actor(pipe, P).prefill.remote(wire.pack(req), None), timeout=30)  # nobody releases it
+    handle = wire.unpack(packed, Handoff)
     assert len(handle.block_ids) == -(-len(req.prompt_token_ids) // 16)
 
     def leased() -> int:
@@ -157,7 +160,7 @@ def test_d_out_of_kv_blocks_waits_within_the_lease_then_fails_typed(pipe: PDPipe
         hog = pipe.make_request(
             token_ids=[65] * 16 * (num_blocks - 4), params=SamplingParams(max_tokens=1), request_id=f"hog-{i}"
         )
-        ray.get(actor(pipe, key).reserve.remote(hog), timeout=30)
+        ray.get(actor(pipe, key).reserve.remote(wire.pack(hog)), timeout=30)
     prompt = [66 + i % 40 for i in range(120)]  # 8 blocks
     t0 = time.monotonic()
     with pytest.raises(DeadlineExceeded, match="no free KV blocks"):
@@ -177,7 +180,7 @@ def test_p_out_of_kv_blocks_queues_the_prompt_until_blocks_free(pipe: PDPipeline
     assert num_blocks is not None
     # A lease nobody releases holds all but 4 of P's blocks until lease + grace (2.5 s).
     hog = pipe.make_request(token_ids=[67] * 16 * (num_blocks - 4), params=SamplingParams(max_tokens=1))
-    handle = ray.get(actor(pipe, P).prefill.remote(hog, None), timeout=30)
+    handle = wire.unpack(ray.get(actor(pipe, P).prefill.remote(wire.pack(hog), None), timeout=30), Handoff)
     prompt, params, expected = one_request(seed=23, max_tokens=4)
     assert len(prompt) > 4 * 16
     r = pipe.generate(token_ids=prompt, params=params)  # waits on P, within remote_timeout_s

@@ -12,7 +12,8 @@ import pytest
 from moriio_ray.config import parse_pipeline_config
 from moriio_ray.engine.sampling import SamplingParams
 from moriio_ray.errors import RequestFailed
-from moriio_ray.protocol.messages import GenRequest, OutputBatch, RequestOutput
+from moriio_ray.protocol import wire
+from moriio_ray.protocol.messages import GenRequest, Handoff, OutputBatch, RequestOutput
 from moriio_ray.worker.actor import EngineWorker
 
 PROMPTS = [[72, 101, 108, 108, 111], [87, 111, 114, 108, 100, 33], [1, 2, 3, 4, 5, 6, 7, 8, 9]]
@@ -70,7 +71,8 @@ async def _colocated_run(worker: EngineWorker, faulty: int | None) -> dict[str, 
         GenRequest(request_id=f"r{i}", prompt_token_ids=p, params=FAULTY if i == faulty else PARAMS)
         for i, p in enumerate(PROMPTS)
     ]
-    firsts = await asyncio.gather(*(worker.generate(r, caller) for r in reqs))
+    packed = await asyncio.gather(*(worker.generate(wire.pack(r), caller) for r in reqs))
+    firsts = [wire.unpack(f, RequestOutput) for f in packed]
     streamed = await asyncio.wait_for(_collect(worker, caller, {r.request_id for r in reqs}), 30)
     tokens = {f.request_id: [*f.token_ids] for f in firsts}
     for rid, outs in streamed.items():
@@ -107,7 +109,7 @@ def test_a_prefill_that_faults_fails_its_call_only() -> None:
             GenRequest(request_id=f"p{i}", prompt_token_ids=p, params=PARAMS if i != 1 else FAULTY)
             for i, p in enumerate(PROMPTS)
         ]
-        results = await asyncio.gather(*(worker.prefill(r) for r in reqs), return_exceptions=True)
+        results = await asyncio.gather(*(worker.prefill(wire.pack(r)) for r in reqs), return_exceptions=True)
         for r, res in zip(reqs, results, strict=True):
             if not isinstance(res, BaseException):
                 assert await worker._side_p().release(r.request_id)
@@ -124,5 +126,6 @@ def test_a_prefill_that_faults_fails_its_call_only() -> None:
         mp.setattr(worker.core.engine.tokenizer, "decode", decode)
         results, stats = asyncio.run(run())
     assert isinstance(results[1], RequestFailed), results[1]
-    assert all(not isinstance(r, BaseException) and r.block_ids for r in (results[0], results[2]))
+    handles = [wire.unpack(r, Handoff) for r in (results[0], results[2])]
+    assert all(h.block_ids for h in handles)
     assert stats["num_free_blocks"] == stats["num_blocks"] and stats["live_requests"] == 0
