@@ -249,7 +249,7 @@ class RuntimeConfig(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
     # a silent worker: 2 missed pings; a crashed one: at once (its death watch)
     health_check_period_s: float = 0.5
     # a ping round lasts at least (actors / this) seconds: the coordinator's CPU stays bounded at
-    # thousands of engines, and silent ones are then found later (README "The control plane at scale")
+    # thousands of engines, and silent ones are then found later (docs/control_plane.md)
     max_health_pings_per_s: float = 400.0
     remote_timeout_s: float = 60.0  # every remote await without a tighter deadline; a hung engine step
     prefill_retries: int = 1  # retry a prefill on another P when its P dies
