@@ -249,6 +249,7 @@ async def run_series(
                     entry["cpu_s"] = cpu_account.spent(procs0, cpu_account.take(workers))
                     if "client" in extra:  # its processes have ended: their own count
                         entry["cpu_s"]["client"] = sum(extra["client"]["cpu_s"])
+                    entry["cpu_ms_per_1k_tokens"] = rep.cpu_per_1k(entry)
                 except Exception as exc:  # one cell's failure is recorded; the run goes on
                     entry["error"] = describe(exc)
                 report["cells"].append(entry)
