@@ -32,7 +32,7 @@ LAYOUT = {"num_layers": 32, "num_blocks": 8192, "block_size": 16, "num_kv_heads"
 
 
 def sim_config(n: int, args: argparse.Namespace) -> Any:
-    from moriio_ray.config import parse_pipeline_config
+    from moriio_ray.config_load import parse_pipeline_config
 
     return parse_pipeline_config(
         {

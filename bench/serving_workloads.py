@@ -21,7 +21,8 @@ from bench.common import (
 )
 from bench.http_client import Connection, Record, stream_completion
 from bench.report_workloads import prefix_line
-from bench.serving import SERIES, python_cell, start_ray, system_args
+from bench.serving import SERIES, start_ray, system_args
+from bench.serving_cells import python_cell
 
 
 def shared_prefix_prompts(

@@ -17,8 +17,8 @@ _EXPORTS: dict[str, str] = {
     "SamplingParams": "moriio_ray.engine.sampling",
     "PipelineConfig": "moriio_ray.config",
     "TransferConfig": "moriio_ray.config",
-    "load_config": "moriio_ray.config",
-    "parse_pipeline_config": "moriio_ray.config",
+    "load_config": "moriio_ray.config_load",
+    "parse_pipeline_config": "moriio_ray.config_load",
     "create_agent": "moriio_ray.transfer",
     "KVLayout": "moriio_ray.transfer.layout",
     "plan_blocks": "moriio_ray.transfer.plan",
@@ -29,7 +29,8 @@ __all__ = sorted([*_EXPORTS, "__version__"])
 if TYPE_CHECKING:
     from moriio_ray.caller.pipeline import PDPipeline
     from moriio_ray.caller.results import GenerationResult
-    from moriio_ray.config import PipelineConfig, TransferConfig, load_config, parse_pipeline_config
+    from moriio_ray.config import PipelineConfig, TransferConfig
+    from moriio_ray.config_load import load_config, parse_pipeline_config
     from moriio_ray.engine.sampling import SamplingParams
     from moriio_ray.transfer import create_agent
     from moriio_ray.transfer.layout import KVLayout

@@ -34,7 +34,8 @@ from moriio_ray.caller.results import GenerationResult, StreamEvent
 from moriio_ray.caller.router import Router
 from moriio_ray.caller.streams import OutputStreams
 from moriio_ray.caller.validate import check_request
-from moriio_ray.config import PipelineConfig, load_config, parse_pipeline_config
+from moriio_ray.config import PipelineConfig
+from moriio_ray.config_load import load_config, parse_pipeline_config
 from moriio_ray.coordinator import actor as coord
 from moriio_ray.engine.sampling import MAX_TOKENS_CAP, SamplingParams
 from moriio_ray.engine.tokenizer import load_tokenizer

@@ -20,7 +20,8 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from moriio_ray.config import PipelineConfig, parse_pipeline_config
+from moriio_ray.config import PipelineConfig
+from moriio_ray.config_load import parse_pipeline_config
 from moriio_ray.errors import ConfigError
 from moriio_ray.serve.errors import bad_request, too_large
 from moriio_ray.serve.handler import MAX_BODY_BYTES, JSONReply, OpenAIServer, StreamReply, error_reply

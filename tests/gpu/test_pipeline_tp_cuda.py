@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from moriio_ray.config import parse_pipeline_config
+from moriio_ray.config_load import parse_pipeline_config
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="needs Ray")
 

@@ -8,7 +8,8 @@ from collections.abc import Callable, Hashable
 from typing import Any
 
 from moriio_ray import PDPipeline
-from moriio_ray.config import PipelineConfig, parse_pipeline_config
+from moriio_ray.config import PipelineConfig
+from moriio_ray.config_load import parse_pipeline_config
 
 NUM_BLOCKS = 256
 BLOCK_SIZE = 16

@@ -17,7 +17,7 @@ import pytest
 
 from bench import cpu_account
 from moriio_ray import PDPipeline, SamplingParams
-from moriio_ray.config import parse_pipeline_config
+from moriio_ray.config_load import parse_pipeline_config
 from tests.integration.helpers import assert_no_leaks
 
 CONCURRENCY = 16

@@ -24,7 +24,8 @@ gguf = pytest.importorskip("gguf", reason="transformers needs gguf to load a GGU
 import torch  # noqa: E402
 
 from moriio_ray import PDPipeline, SamplingParams  # noqa: E402
-from moriio_ray.config import EngineConfig, ModelConfig, parse_pipeline_config  # noqa: E402
+from moriio_ray.config import EngineConfig, ModelConfig  # noqa: E402
+from moriio_ray.config_load import parse_pipeline_config  # noqa: E402
 from moriio_ray.engine.engine import Engine  # noqa: E402
 from moriio_ray.engine.model_path import model_source  # noqa: E402
 from moriio_ray.serve.handler import JSONReply, OpenAIServer  # noqa: E402

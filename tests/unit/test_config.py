@@ -8,13 +8,8 @@ from typing import Any
 
 import pytest
 
-from moriio_ray.config import (
-    MoriConfig,
-    PipelineConfig,
-    TransferConfig,
-    load_config,
-    parse_pipeline_config,
-)
+from moriio_ray.config import MoriConfig, PipelineConfig, TransferConfig
+from moriio_ray.config_load import load_config, parse_pipeline_config
 from moriio_ray.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(30)

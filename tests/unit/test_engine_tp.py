@@ -12,7 +12,7 @@ import pytest
 import torch
 from tp_procs import engine_config, model_config, reference, run_ranks
 
-from moriio_ray.config import parse_pipeline_config
+from moriio_ray.config_load import parse_pipeline_config
 from moriio_ray.engine.engine import Engine
 from moriio_ray.engine.presets import get_preset
 from moriio_ray.engine.sampling import SamplingParams

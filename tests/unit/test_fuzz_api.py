@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, example, given, settings
 
 from moriio_ray.caller.pipeline import PDPipeline
 from moriio_ray.caller.results import StreamEvent
-from moriio_ray.config import parse_pipeline_config
+from moriio_ray.config_load import parse_pipeline_config
 from moriio_ray.engine.engine import Engine, StepOutput
 from moriio_ray.protocol.messages import GenRequest, error_from
 from moriio_ray.serve.handler import JSONReply, OpenAIServer, StreamReply

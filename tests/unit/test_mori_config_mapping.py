@@ -11,7 +11,8 @@ import os
 import fake_mori  # tests/unit is on sys.path under pytest (no __init__.py here)
 import pytest
 
-from moriio_ray.config import MoriConfig, TransferConfig, parse_pipeline_config
+from moriio_ray.config import MoriConfig, TransferConfig
+from moriio_ray.config_load import parse_pipeline_config
 from moriio_ray.errors import ConfigError
 from moriio_ray.transfer.mori_api import mori_engine_key
 

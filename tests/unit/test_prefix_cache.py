@@ -12,7 +12,7 @@ import pytest
 import torch
 from engine_helpers import BLOCK_SIZE, copy_blocks, disaggregated, run_to_end, tiny_engine
 
-from moriio_ray.config import parse_pipeline_config
+from moriio_ray.config_load import parse_pipeline_config
 from moriio_ray.engine.block_allocator import BlockAllocator
 from moriio_ray.engine.engine import Engine
 from moriio_ray.engine.prefix_cache import block_keys

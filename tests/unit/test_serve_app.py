@@ -7,7 +7,8 @@ from typing import Any
 import pytest
 
 from moriio_ray.caller import pipeline as pipeline_mod
-from moriio_ray.config import PipelineConfig, parse_pipeline_config
+from moriio_ray.config import PipelineConfig
+from moriio_ray.config_load import parse_pipeline_config
 from moriio_ray.errors import ConfigError
 from moriio_ray.serve import app as app_mod
 

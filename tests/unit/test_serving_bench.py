@@ -24,7 +24,7 @@ from bench.http_client import (
 )
 from bench.http_wire import ChunkedDecoder, ProtocolError, SSEParser, read_event, tokens_in_event
 from bench.report import goals, markdown, render
-from bench.serving import cell_requests, label, prompts
+from bench.serving_cells import cell_requests, label, prompts
 from bench.serving_stats import raw_rows, summarize
 from moriio_ray import parse_pipeline_config
 

@@ -13,7 +13,8 @@ import pytest
 import torch
 from engine_helpers import Result, copy_blocks, disaggregated, prompts_for_block_size, run_to_end
 
-from moriio_ray.config import EngineConfig, ModelConfig, SimConfig, TransferConfig, parse_pipeline_config
+from moriio_ray.config import EngineConfig, ModelConfig, SimConfig, TransferConfig
+from moriio_ray.config_load import parse_pipeline_config
 from moriio_ray.engine.batch import PrefillChunk
 from moriio_ray.engine.engine import Engine
 from moriio_ray.engine.presets import BYTE_VOCAB_SIZE

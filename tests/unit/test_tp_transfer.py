@@ -163,7 +163,7 @@ def test_an_engine_group_is_one_bundle_on_one_node() -> None:
 
 
 def test_a_preset_that_does_not_split_into_the_tp_size_is_refused_before_any_worker_starts() -> None:
-    from moriio_ray.config import parse_pipeline_config
+    from moriio_ray.config_load import parse_pipeline_config
     from moriio_ray.coordinator.engine_group import check_tp_sizes
 
     ok = parse_pipeline_config({"pool": {"decode": {"tensor_parallel_size": 2}}})

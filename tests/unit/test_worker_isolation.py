@@ -9,7 +9,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from moriio_ray.config import parse_pipeline_config
+from moriio_ray.config_load import parse_pipeline_config
 from moriio_ray.engine.sampling import SamplingParams
 from moriio_ray.errors import RequestFailed
 from moriio_ray.protocol import wire
