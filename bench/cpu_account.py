@@ -20,7 +20,8 @@ _TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
 Snapshot = dict[int, tuple[str, float]]  # pid -> (part, CPU seconds so far)
 
 
-def _tree() -> dict[int, list[int]]:
+def children_by_pid() -> dict[int, list[int]]:
+    """Every process's children (pid -> pids), from /proc."""
     children: dict[int, list[int]] = collections.defaultdict(list)
     for entry in Path("/proc").iterdir():
         with contextlib.suppress(OSError, ValueError, IndexError):
@@ -57,7 +58,7 @@ def _part(pid: int, me: int, workers: dict[int, str]) -> str:
 def take(workers: dict[int, str] | None = None) -> Snapshot:
     """Every process below this one (and this one), with its part and CPU seconds so far.
     ``workers``: the engine actors' pids and roles (from the pipeline's stats)."""
-    me, children = os.getpid(), _tree()
+    me, children = os.getpid(), children_by_pid()
     found: Snapshot = {}
     todo = [me]
     while todo:

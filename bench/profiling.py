@@ -13,14 +13,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from bench.cpu_account import children_by_pid
+
 
 def actor_processes() -> list[tuple[int, str]]:
     """(pid, title) of the Ray actor processes below this one (a ``serve run`` child's included)."""
-    children: dict[int, list[int]] = collections.defaultdict(list)
-    for entry in Path("/proc").iterdir():
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            children[parent].append(int(entry.name))
+    children = children_by_pid()
     found, todo = [], list(children[os.getpid()])
     while todo:
         pid = todo.pop()

@@ -47,10 +47,10 @@ def check_tp_sizes(config: PipelineConfig) -> None:
     (a checkpoint's are known only once a worker reads it: the worker checks those)."""
     if config.model.preset is None:
         return
-    from moriio_ray.engine.presets import get_preset  # no torch
+    from moriio_ray.engine.presets import preset_args  # no torch
     from moriio_ray.engine.tp_size import check_tp_size
 
-    args = get_preset(config.model.preset).args
+    args = preset_args(config.model)
     for role in ROLES:
         rc: RoleConfig = getattr(config.pool, role)
         if rc.replicas > 0:

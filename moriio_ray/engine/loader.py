@@ -33,7 +33,7 @@ from moriio_ray.engine.gguf_file import open_gguf
 from moriio_ray.engine.gguf_loader import load_gguf_weights
 from moriio_ray.engine.model import CausalLM
 from moriio_ray.engine.model_path import model_source
-from moriio_ray.engine.presets import Preset, get_preset, sim_args
+from moriio_ray.engine.presets import Preset, get_preset, preset_args
 from moriio_ray.engine.tp import SINGLE, TPGroup, shard_args
 from moriio_ray.engine.tp_shard import WeightShards, apply_cut
 from moriio_ray.engine.weight_sink import WeightSink
@@ -42,11 +42,8 @@ from moriio_ray.errors import ConfigError
 
 def model_args(config: ModelConfig) -> ModelArgs:
     """The architecture a ModelConfig names (reads only metadata: ``config.json`` or the GGUF header)."""
-    if config.preset == SIM:
-        assert config.sim is not None  # ModelConfig fills it in
-        return sim_args(config.sim)
     if config.preset is not None:
-        return get_preset(config.preset).args
+        return preset_args(config)
     source = model_source(config)
     if source.is_file():
         return args_from_gguf(open_gguf(source))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from moriio_ray.config import SIM, SimConfig
+from moriio_ray.config import SIM, ModelConfig, SimConfig
 from moriio_ray.engine.arch import ModelArgs, RopeArgs
 from moriio_ray.errors import ConfigError
 
@@ -125,8 +125,16 @@ PRESET_TABLE: dict[str, Preset] = {
         linear_std=0.02,
         embed_std=0.035,
     ),
-    SIM: Preset(sim_args(SimConfig()), linear_std=0.0, embed_std=0.0),  # the default geometry; no weights
 }
+
+
+def preset_args(model: ModelConfig) -> ModelArgs:
+    """The architecture of the preset a ModelConfig names: a table entry's, or ``sim``'s geometry."""
+    assert model.preset is not None
+    if model.preset == SIM:
+        assert model.sim is not None  # ModelConfig fills it in for preset sim
+        return sim_args(model.sim)
+    return get_preset(model.preset).args
 
 
 def get_preset(name: str) -> Preset:
