@@ -218,11 +218,24 @@ class EngineWorker:
         ``Reservation``)."""
         return wire.pack(await self._side_d().reserve(wire.unpack(packed, GenRequest), caller))
 
-    async def deliver(self, packed: bytes, source: bytes, caller: str) -> None:
-        """P's hand-over (a packed request and ``Handoff``): bring the KV in and decode, tokens to
-        ``caller``'s stream; returns once P's blocks are no longer needed (P frees its lease then)."""
-        req, handoff = wire.unpack(packed, GenRequest), wire.unpack(source, Handoff)
-        await self._side_d().deliver(req, handoff, caller)
+    async def deliver(self, items: list[tuple[bytes, bytes, str]]) -> list[str | None]:
+        """P's hand-overs (each a packed request, a packed ``Handoff`` and the caller whose stream
+        gets its tokens; ``worker/handovers.py`` batches them): bring the KV in and decode. Returns
+        once no item's blocks on P are needed any more (P frees its leases then), one outcome per
+        item: ``None``, or why D refused it or it failed."""
+        side = self._side_d()
+
+        async def one(packed: bytes, source: bytes, caller: str) -> None:
+            await side.deliver(wire.unpack(packed, GenRequest), wire.unpack(source, Handoff), caller)
+
+        if len(items) == 1:  # (no gather: the request's task is spawned within this call's first step)
+            try:
+                await one(*items[0])
+            except Exception as exc:
+                return [repr(exc)]
+            return [None]
+        ended = await asyncio.gather(*(one(*item) for item in items), return_exceptions=True)
+        return [None if e is None else repr(e) for e in ended]
 
     async def pushes_ended(self, request_id: str) -> None:
         """WRITE: P's pushes of a request that ended early have ended: nothing more lands in its

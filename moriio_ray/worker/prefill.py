@@ -1,15 +1,17 @@
 """P's part of a worker: prefill and lease (READ), reserve on D and prefill while pushing each layer
 (WRITE), and the hand-over to D.
 
-READ: P hands its lease to D in one call, ``D.deliver``, sent outside the request's task lineage;
-the call returns once D's read has ended (or will never start), and P frees the lease then. P is
+READ: P hands its lease to D through ``D.deliver``, sent outside the request's task lineage and
+batched with the other hand-overs to that D of the same loop turn (``worker/handovers.py``); the
+call returns once D's reads have ended (or will never start), and P frees the leases then. P is
 the lease's one owner: a cancel that reaches P while D holds the handle leaves the lease alone (D's
 read may still be reading it); D's death fails the call, which frees it too; the expiry sweep at the
 lease's deadline plus grace is the backstop.
 WRITE: P reserves D's blocks itself (``D.reserve``), then pushes each computed layer into them. A
 push that ends early (cancelled, failed, timed out) starts no more writes; once those started have
 ended, P frees its blocks and tells D (``pushes_ended``), whose reserved blocks stay out of use
-until then. Under tensor parallelism every rank pushes its own KV heads: rank 0 here, the others on
+until then; the result goes to D batched like READ's hand-overs. Under tensor parallelism every rank
+pushes its own KV heads: rank 0 here, the others on
 ``RankGroup.prepare_push`` before the prefill starts; the push is over when every rank's is.
 """
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from moriio_ray import metrics
@@ -29,6 +32,7 @@ from moriio_ray.protocol.deadline import deadline
 from moriio_ray.protocol.detached import send
 from moriio_ray.protocol.messages import GenRequest, KVHandle, PeerRef, PushResult, Reservation
 from moriio_ray.worker.core import WorkerCore
+from moriio_ray.worker.handovers import Handovers
 from moriio_ray.worker.peers import Peer
 from moriio_ray.worker.push import LayerPusher, push_targets
 from moriio_ray.worker.requests import WorkerRequest
@@ -43,6 +47,7 @@ class PrefillSide:
         self.core = core
         self._handed: set[str] = set()  # READ: leases D may be reading (its ``deliver`` runs)
         self._settling: set[str] = set()  # WRITE: requests whose early-ended pushes P still waits for
+        self.handovers = Handovers(lambda coro: core.spawn(coro, detach=True))
         if core.config.mode == "write":  # READ pays no per-layer call
             core.engine.set_layer_hook(self._on_layer)
 
@@ -66,7 +71,7 @@ class PrefillSide:
             )
             if peer is not None and reason is None:  # (a first token that ends it leases nothing)
                 self._handed.add(handle.transfer_id)
-                c.spawn(self._hand_over(peer, req, handle, caller), detach=True)
+                self._hand_over(peer, req, handle, caller)
             ok = True
             return handle
         finally:
@@ -74,23 +79,27 @@ class PrefillSide:
             if not ok:  # cancelled or failed: free the blocks (and any lease) at once
                 c.loop.post(lambda: c.engine.abort(req.request_id))
 
-    async def _hand_over(self, peer: Peer, req: GenRequest, handle: KVHandle, caller: str) -> None:
-        """D reads the lease inside its ``deliver`` call; its end (or failure: D died, or refused
-        the request) frees the lease. P is the one owner of that release; its expiry sweep is the
-        backstop should D hang."""
+    def _hand_over(self, peer: Peer, req: GenRequest, handle: KVHandle, caller: str) -> None:
+        """Queue the hand-over now, before the caller's reply goes, so that it leaves in this loop
+        turn's batch. D reads the lease inside its ``deliver`` call; its end (or failure: D died,
+        or refused the request) frees the lease. P is the one owner of that release; its expiry
+        sweep is the backstop should D hang."""
         c = self.core
         tid = handle.transfer_id
         wait_s = max(0.0, handle.lease_deadline_unix - time.time()) + c.config.transfer.lease_grace_s
-        try:
-            call = peer.actor.deliver.remote(wire.pack(req), wire.pack(handle), caller)
-            await deadline(call, wait_s, f"{peer.key}'s read")
-        except DeadlineExceeded:
+        item = (wire.pack(req), wire.pack(handle), caller)
+
+        def ended(outcome: asyncio.Future[str | None]) -> None:
             self._handed.discard(tid)
-            return  # the sweep frees the lease at its deadline plus grace
-        except Exception as exc:
-            log.info("the hand-over of %s to %s ended with %r", tid, peer.key, exc)
-        self._handed.discard(tid)
-        c.loop.post(lambda: c.engine.release(tid))
+            exc = None if outcome.cancelled() else outcome.exception()
+            if isinstance(exc, DeadlineExceeded):
+                return  # the sweep frees the lease at its deadline plus grace
+            why = repr(exc) if exc is not None else (None if outcome.cancelled() else outcome.result())
+            if why is not None:
+                log.info("the hand-over of %s to %s ended with %s", tid, peer.key, why)
+            c.loop.post(lambda: c.engine.release(tid))
+
+        self.handovers.hand_over(peer, item, wait_s).add_done_callback(ended)
 
     async def prefill_push(self, req: GenRequest, to: PeerRef, caller: str = "") -> PushResult:
         """WRITE: reserve blocks on D (``to``), prefill while pushing each computed layer into them,
@@ -139,7 +148,10 @@ class PrefillSide:
                 num_segments=num_segments,
             )
             ok = True  # every push has landed: the result tells D so (and ends its reservation)
-            send(peer.actor.deliver, wire.pack(req), wire.pack(result), caller)  # outside this lineage
+            item = (wire.pack(req), wire.pack(result), caller)
+            wait_s = c.config.runtime.remote_timeout_s
+            outcome = self.handovers.hand_over(peer, item, wait_s)
+            outcome.add_done_callback(_log_refusal(req.request_id, to.key))
             return result
         finally:
             c.table.close(rec)
@@ -237,6 +249,18 @@ class PrefillSide:
             rec = self.core.table.by_engine(chunk.request_id)
             if rec is not None and rec.pusher is not None:
                 rec.pusher.on_layer(layer, chunk, self.core.engine.prefill_blocks(chunk.request_id))
+
+
+def _log_refusal(request_id: str, d_key: str) -> Callable[[asyncio.Future[str | None]], None]:
+    """WRITE: nobody waits for D's answer to a push's result; a refusal or failure is logged."""
+
+    def done(outcome: asyncio.Future[str | None]) -> None:
+        exc = None if outcome.cancelled() else outcome.exception()
+        why = repr(exc) if exc is not None else (None if outcome.cancelled() else outcome.result())
+        if why is not None:
+            log.info("the result of %s's pushes reached %s with %s", request_id, d_key, why)
+
+    return done
 
 
 def _first(pre: PrefillResult, reason: str | None, prefill_s: float, done_unix: float) -> dict[str, Any]:

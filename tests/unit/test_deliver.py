@@ -39,7 +39,7 @@ def test_an_abort_before_the_requests_task_ran_still_ends_the_call() -> None:
         d = _worker("decode", "deliver-race")
         await d.ready()
         req = GenRequest(request_id="r", prompt_token_ids=[65, 66, 67], params=SamplingParams(max_tokens=4))
-        call = asyncio.ensure_future(d.deliver(wire.pack(req), wire.pack(_handle("r")), "caller"))
+        call = asyncio.ensure_future(d.deliver([(wire.pack(req), wire.pack(_handle("r")), "caller")]))
         await asyncio.sleep(0)  # deliver runs to its wait: the request's task is queued, not started
         task = d.core.table.get("r").task  # type: ignore[union-attr]
         assert task is not None and not task.done()
