@@ -52,3 +52,35 @@ def test_an_abort_before_the_requests_task_ran_still_ends_the_call() -> None:
     stats = asyncio.run(run())
     assert stats["live_requests"] == 0, stats
     assert stats["num_free_blocks"] == stats["num_blocks"], stats
+
+
+@pytest.mark.timeout(60)
+def test_a_batch_of_hand_overs_answers_each_once_all_have_ended() -> None:
+    """``deliver`` takes P's batch: every hand-over gets its own outcome, and the call returns only
+    once none of their blocks on P is needed (here: each request cancelled before its read)."""
+
+    async def run() -> tuple[list[str | None], dict[str, object]]:
+        d = _worker("decode", "deliver-batch")
+        await d.ready()
+        reqs = [
+            GenRequest(request_id=rid, prompt_token_ids=[65, 66, 67], params=SamplingParams(max_tokens=4))
+            for rid in ("a", "b")
+        ]
+        items = [(wire.pack(r), wire.pack(_handle(r.request_id)), "caller") for r in reqs]
+        call = asyncio.ensure_future(d.deliver(items))
+        for _ in range(20):  # until both requests' tasks are spawned
+            await asyncio.sleep(0)
+            if all(d.core.table.get(r.request_id) is not None for r in reqs):
+                break
+        assert not call.done()
+        await d.abort("a")
+        await d.abort("b")
+        outcomes = await asyncio.wait_for(call, 5.0)
+        stats = await d.stats()
+        await d.shutdown()
+        return outcomes, stats
+
+    outcomes, stats = asyncio.run(run())
+    assert len(outcomes) == 2, outcomes
+    assert stats["live_requests"] == 0, stats
+    assert stats["num_free_blocks"] == stats["num_blocks"], stats
