@@ -244,6 +244,8 @@ def main() -> None:
     }
     report["grid"] = {"concurrency": a.concurrency, "rates": a.rates, "prompt_lens": a.prompt_lens}
     report["grid"]["output_tokens"] = a.output_tokens
+    stem = a.out / f"{kind}_{a.tag}"
+    a.checkpoint = stem.with_suffix(".json")  # rewritten after every cell: a killed run keeps its cells
     t0 = time.perf_counter()
     try:
         with tempfile.TemporaryDirectory(prefix="msb") as tmp:
@@ -259,7 +261,6 @@ def main() -> None:
             import ray
 
             ray.shutdown()
-        stem = a.out / f"{kind}_{a.tag}"
         write_json(stem.with_suffix(".json"), report)
         rep.render(report, stem)
 

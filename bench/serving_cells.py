@@ -16,7 +16,7 @@ from typing import Any
 
 from bench import cpu_account
 from bench import report as rep
-from bench.common import describe
+from bench.common import describe, write_json
 from bench.http_client import Record, drive, run_http_cell
 from bench.http_client import arrivals as poisson
 from bench.profiling import Profiler
@@ -122,7 +122,8 @@ async def run_series(
 ) -> None:
     """Warm up (unrecorded: --warmup requests, then one wave at the top concurrency, so that most CUDA
     graphs exist before the first measured cell), then every (prompt length, load) cell, each with
-    the CPU seconds of every process by part (``workers``: the engines' pids and roles)."""
+    the CPU seconds of every process by part (``workers``: the engines' pids and roles). With
+    ``a.checkpoint`` (a path), the record so far is written there after every cell."""
     loads: list[Load] = [("c", c) for c in a.concurrency] + [("rate", r) for r in a.rates]
     top = max(a.concurrency, default=min(a.warmup, 8))
     for length in a.prompt_lens if a.warmup else []:
@@ -152,6 +153,8 @@ async def run_series(
                     entry["error"] = describe(exc)
                 report["cells"].append(entry)
                 print(rep.cell_line(entry), flush=True)
+                if getattr(a, "checkpoint", None) is not None:  # a run killed later keeps this cell
+                    write_json(a.checkpoint, report)
     finally:
         if profiler is not None:
             report["profiles"][series] = profiler.stop()

@@ -437,3 +437,38 @@ def test_render_writes_tables_and_a_plot(tmp_path: Path) -> None:
     assert "| pd-read/python | c=4 | 128 | 3.0 / 5.0 | 2.0 | 1.0 | 0.5 | 10.0 / 20.0 |" in text
     assert "Goals" in text and (tmp_path / "serving_t.png").stat().st_size > 10_000
     assert json.loads(json.dumps(report)) == report  # the report is plain JSON
+
+
+@pytest.mark.timeout(30)
+def test_run_series_writes_the_record_after_every_cell(tmp_path: Path) -> None:
+    """A run killed mid-way (a time limit, a signal that skips the clean-up) keeps every cell it ran:
+    the record is rewritten after each one."""
+    from bench.serving_cells import run_series
+
+    checkpoint = tmp_path / "serving_x.json"
+    seen: list[int] = []
+
+    async def cell(batch: Any, load: Any) -> Any:
+        on_disk = json.loads(checkpoint.read_text())["cells"] if checkpoint.exists() else []
+        seen.append(len(on_disk))  # the cells written before this one ran
+        raise RuntimeError(f"cell {len(seen)} fails")
+
+    a = argparse.Namespace(
+        concurrency=[1, 2],
+        rates=[],
+        prompt_lens=[8],
+        warmup=0,
+        profile=False,
+        out=tmp_path,
+        requests=1,
+        waves=1,
+        seed=0,
+        long_fraction=0.0,
+        long_len=0,
+        checkpoint=checkpoint,
+    )
+    report: dict[str, Any] = {"cells": [], "profiles": {}}
+    asyncio.run(run_series(a, report, "s", cell))
+    assert seen == [0, 1]
+    cells = json.loads(checkpoint.read_text())["cells"]
+    assert [c["load"] for c in cells] == ["c=1", "c=2"] and all("cell" in c["error"] for c in cells)
