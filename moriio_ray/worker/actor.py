@@ -225,17 +225,16 @@ class EngineWorker:
         item: ``None``, or why D refused it or it failed."""
         side = self._side_d()
 
-        async def one(packed: bytes, source: bytes, caller: str) -> None:
-            await side.deliver(wire.unpack(packed, GenRequest), wire.unpack(source, Handoff), caller)
+        async def one(packed: bytes, source: bytes, caller: str) -> str | None:
+            try:
+                await side.deliver(wire.unpack(packed, GenRequest), wire.unpack(source, Handoff), caller)
+            except Exception as exc:
+                return repr(exc)
+            return None
 
         if len(items) == 1:  # (no gather: the request's task is spawned within this call's first step)
-            try:
-                await one(*items[0])
-            except Exception as exc:
-                return [repr(exc)]
-            return [None]
-        ended = await asyncio.gather(*(one(*item) for item in items), return_exceptions=True)
-        return [None if e is None else repr(e) for e in ended]
+            return [await one(*items[0])]
+        return list(await asyncio.gather(*(one(*item) for item in items)))
 
     async def pushes_ended(self, request_id: str) -> None:
         """WRITE: P's pushes of a request that ended early have ended: nothing more lands in its

@@ -16,7 +16,6 @@ cannot cancel it.
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,10 +24,16 @@ from moriio_ray.protocol.deadline import deadline
 from moriio_ray.protocol.detached import send
 from moriio_ray.worker.peers import Peer
 
-log = logging.getLogger(__name__)
-
 Item = tuple[bytes, bytes, str]
 """One hand-over as ``deliver`` takes it: the packed request, the packed ``Handoff``, the caller."""
+
+
+def refusal(outcome: asyncio.Future[str | None]) -> str | None:
+    """Why a hand-over did not go through (D's answer, or the call's error), or ``None``."""
+    if outcome.cancelled():
+        return None
+    exc = outcome.exception()
+    return repr(exc) if exc is not None else outcome.result()
 
 
 @dataclass

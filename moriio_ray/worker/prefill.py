@@ -32,7 +32,7 @@ from moriio_ray.protocol.deadline import deadline
 from moriio_ray.protocol.detached import send
 from moriio_ray.protocol.messages import GenRequest, KVHandle, PeerRef, PushResult, Reservation
 from moriio_ray.worker.core import WorkerCore
-from moriio_ray.worker.handovers import Handovers
+from moriio_ray.worker.handovers import Handovers, refusal
 from moriio_ray.worker.peers import Peer
 from moriio_ray.worker.push import LayerPusher, push_targets
 from moriio_ray.worker.requests import WorkerRequest
@@ -91,10 +91,9 @@ class PrefillSide:
 
         def ended(outcome: asyncio.Future[str | None]) -> None:
             self._handed.discard(tid)
-            exc = None if outcome.cancelled() else outcome.exception()
-            if isinstance(exc, DeadlineExceeded):
+            if not outcome.cancelled() and isinstance(outcome.exception(), DeadlineExceeded):
                 return  # the sweep frees the lease at its deadline plus grace
-            why = repr(exc) if exc is not None else (None if outcome.cancelled() else outcome.result())
+            why = refusal(outcome)
             if why is not None:
                 log.info("the hand-over of %s to %s ended with %s", tid, peer.key, why)
             c.loop.post(lambda: c.engine.release(tid))
@@ -255,8 +254,7 @@ def _log_refusal(request_id: str, d_key: str) -> Callable[[asyncio.Future[str | 
     """WRITE: nobody waits for D's answer to a push's result; a refusal or failure is logged."""
 
     def done(outcome: asyncio.Future[str | None]) -> None:
-        exc = None if outcome.cancelled() else outcome.exception()
-        why = repr(exc) if exc is not None else (None if outcome.cancelled() else outcome.result())
+        why = refusal(outcome)
         if why is not None:
             log.info("the result of %s's pushes reached %s with %s", request_id, d_key, why)
 
